@@ -1,0 +1,88 @@
+"""What crosses the engine boundary: a request in, token events and honest prefill stats out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvblend.blend.segmenter import Segments
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)  # stop strings, not included in the output
+    stop_token_ids: list[int] = field(default_factory=list)  # added to the model's EOS ids
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
+
+
+@dataclass
+class GenerationRequest:
+    segments: Segments
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    mode: str | None = None  # None: the engine's default (BlendConfig.mode)
+    recompute_ratio: float | None = None
+    namespace: str = ""  # tenant: part of every store key, so tenants never share KV
+
+
+@dataclass
+class PrefillStats:
+    """Where every prompt token's KV came from.
+
+    prompt_tokens = reused_tokens + recomputed_tokens + fresh_tokens
+    cached_tokens = reused_tokens + recomputed_tokens (rows whose KV was loaded from the store)
+    """
+
+    mode: str
+    recompute_ratio: float
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # loaded from the store and used as is
+    recomputed_tokens: int = 0  # loaded, then selected and recomputed past the check layer
+    fresh_tokens: int = 0  # no stored KV: computed in this request
+    chunks_hit: int = 0
+    chunks_total: int = 0
+    ttft_ms: float = 0.0
+    load_ms: float = 0.0  # fetching + assembling stored KV
+    compute_ms: float = 0.0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.reused_tokens + self.recomputed_tokens
+
+    def as_dict(self) -> dict:
+        return {
+            "mode": self.mode, "recompute_ratio": self.recompute_ratio, "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens, "reused_tokens": self.reused_tokens,
+            "recomputed_tokens": self.recomputed_tokens, "fresh_tokens": self.fresh_tokens,
+            "chunks_hit": self.chunks_hit, "chunks_total": self.chunks_total,
+            "ttft_ms": round(self.ttft_ms, 3), "load_ms": round(self.load_ms, 3),
+            "compute_ms": round(self.compute_ms, 3),
+        }
+
+
+@dataclass
+class TokenEvent:
+    """One generated token. ``text`` is the newly decodable text (may be "" mid-codepoint)."""
+
+    token_id: int
+    text: str
+    index: int
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    stats: PrefillStats
+    first_token_logits: object = None  # torch.Tensor [vocab] float32, kept for quality checks
