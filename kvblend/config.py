@@ -93,6 +93,42 @@ class EngineConfig:
     chunk_context: str | None = None
 
 
+STORE_TIERS = ("memory", "disk", "redis")
+
+
+@dataclass
+class StoreConfig:
+    """Chunk KV store: which tiers, their byte budgets, and how the remote tier degrades.
+
+    ``tiers`` is also the lookup order; a hit in a later tier is promoted into the earlier ones.
+    """
+
+    tiers: tuple[str, ...] = ("memory",)
+    memory_bytes: int = 2 << 30
+    disk_dir: Path | None = None  # None: default_cache_dir() / "kv"
+    disk_bytes: int = 20 << 30
+    disk_fsync: bool = True  # fsync file + dir before the atomic rename is visible (crash safety)
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "kvblend:"
+    redis_ttl_s: int = 0  # 0: entries never expire
+    redis_socket_timeout_s: float = 0.5  # short: a dead server must cost a request milliseconds, not seconds
+    redis_backoff_s: float = 1.0  # first wait before reconnecting after an error; doubles per failure
+    redis_backoff_max_s: float = 30.0
+    async_writes: bool = True  # disk / redis writes go through one background writer thread
+    writer_max_pending_bytes: int = 1 << 30  # beyond this, background writes are dropped (counted)
+
+    def __post_init__(self):
+        self.tiers = tuple(str(t) for t in self.tiers)
+        if not self.tiers or len(set(self.tiers)) != len(self.tiers) or any(t not in STORE_TIERS for t in self.tiers):
+            raise ValueError(f"tiers must be distinct names from {STORE_TIERS}, got {self.tiers}")
+        for name in ("memory_bytes", "disk_bytes", "writer_max_pending_bytes", "redis_ttl_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.redis_socket_timeout_s <= 0 or self.redis_backoff_s < 0 or self.redis_backoff_max_s < self.redis_backoff_s:
+            raise ValueError("redis timeouts must be > 0 and 0 <= redis_backoff_s <= redis_backoff_max_s")
+        self.disk_dir = Path(self.disk_dir) if self.disk_dir is not None else default_cache_dir() / "kv"
+
+
 def filter_kwargs(cls, kwargs: dict) -> dict:
     """Keep only the keys that are fields of dataclass ``cls`` (CLI / YAML passthrough)."""
     names = {f.name for f in dataclasses.fields(cls)}
@@ -109,4 +145,120 @@ def load_env_overrides() -> dict:
         out["dtype"] = env["KVBLEND_DTYPE"]
     if env.get("KVBLEND_THREADS"):
         out["num_threads"] = int(env["KVBLEND_THREADS"])
+    if env.get("KVBLEND_STORE_TIERS"):
+        out["tiers"] = tuple(t.strip() for t in env["KVBLEND_STORE_TIERS"].split(",") if t.strip())
+    if env.get("KVBLEND_STORE_DIR"):
+        out["disk_dir"] = env["KVBLEND_STORE_DIR"]
+    if env.get("KVBLEND_REDIS_URL"):
+        out["redis_url"] = env["KVBLEND_REDIS_URL"]
     return out
+
+
+def default_config_dir() -> Path:
+    """Per-user config root (``auth.json`` lives here); ``XDG_CONFIG_HOME`` respected."""
+    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "kvblend"
+
+
+# Client endpoint settings taken from the environment; they override auth.json (see kvblend/client/auth.py).
+CLIENT_ENV_VARS = {"KVBLEND_BASE_URL": "base_url", "KVBLEND_API_KEY": "api_key", "KVBLEND_MODEL_ID": "model_id"}
+
+
+def client_env_overrides() -> dict:
+    """{auth.json key: value} for each set client variable (KVBLEND_BASE_URL, _API_KEY, _MODEL_ID)."""
+    return {key: os.environ[var] for var, key in CLIENT_ENV_VARS.items() if os.environ.get(var)}
+
+
+# --- server (`kvblend serve`) ------------------------------------------------------------------
+
+BACKEND_KINDS = ("local", "upstream")
+
+
+@dataclass
+class ModelEntry:
+    """One model id served by `kvblend serve`.
+
+    kind "local": an in-process engine over ``model`` (weights path; "" = embedded model).
+    kind "upstream": reserved for routing to another OpenAI-compatible service (``base_url``,
+    ``upstream_model``, key from env var ``api_key_env``); not implemented by the server yet.
+    """
+
+    id: str = ""  # "" (local only): the engine's own model_id
+    kind: str = "local"
+    model: str = ""
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    num_threads: int = 0
+    mode: str = "blend"
+    recompute_ratio: float = 0.15
+    blend: dict = field(default_factory=dict)  # extra BlendConfig fields (check_layers, deviation, ...)
+    chunk_context: str | None = None
+    base_url: str = ""
+    upstream_model: str = ""
+    api_key_env: str = ""
+
+    def __post_init__(self):
+        if self.kind not in BACKEND_KINDS:
+            raise ValueError(f"model kind must be one of {BACKEND_KINDS}, got {self.kind!r}")
+        if self.kind == "upstream" and (not self.id or not self.base_url):
+            raise ValueError("an upstream model needs both id and base_url")
+        validate_mode(self.mode)
+        self.recompute_ratio = validate_ratio(self.recompute_ratio)
+
+    def engine_config(self) -> EngineConfig:
+        blend = BlendConfig(**{**filter_kwargs(BlendConfig, self.blend), "mode": self.mode,
+                               "recompute_ratio": self.recompute_ratio})
+        model = ModelConfig(model=self.model, dtype=self.dtype, device=self.device, num_threads=self.num_threads)
+        return EngineConfig(model=model, blend=blend, chunk_context=self.chunk_context)
+
+
+@dataclass
+class ApiKey:
+    key: str
+    name: str = ""  # shown in logs instead of the key
+    namespace: str = ""  # chunk-store tenant: requests under this key never see other tenants' KV
+
+    def __post_init__(self):
+        if not self.key:
+            raise ValueError("an api key must be non-empty")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    models: list[ModelEntry] = field(default_factory=lambda: [ModelEntry()])
+    api_keys: list[ApiKey] = field(default_factory=list)  # empty: auth disabled
+    store: StoreConfig = field(default_factory=StoreConfig)
+    max_queue: int = 64  # per model: waiting requests beyond this get 429 + Retry-After
+    max_batch: int = 8  # per model: sequences decoded together in one engine.step
+    default_max_tokens: int = 512  # when a request sets neither max_tokens nor max_completion_tokens
+    retry_after_s: int = 1
+
+    def __post_init__(self):
+        if not (0 <= self.port < 65536):
+            raise ValueError(f"port must be within [0, 65535], got {self.port}")
+        if not self.models:
+            raise ValueError("at least one model is required")
+        if self.max_queue < 1 or self.max_batch < 1 or self.default_max_tokens < 1:
+            raise ValueError("max_queue, max_batch and default_max_tokens must be >= 1")
+        ids = [m.id for m in self.models if m.id]
+        if len(ids) != len(set(ids)):
+            raise ValueError(f"duplicate model ids in {ids}")
+
+
+def load_server_env() -> dict:
+    """Server settings from the environment: KVBLEND_API_KEYS="key[:namespace],..." and KVBLEND_API_KEY."""
+    env = os.environ
+    keys: list[ApiKey] = []
+    for item in (env.get("KVBLEND_API_KEYS") or "").split(","):
+        key, _, namespace = item.strip().partition(":")
+        if key:
+            keys.append(ApiKey(key=key, name=f"env{len(keys)}", namespace=namespace))
+    if env.get("KVBLEND_API_KEY"):
+        keys.append(ApiKey(key=env["KVBLEND_API_KEY"], name="env"))
+    return {"api_keys": keys} if keys else {}
+
+
+def read_secret_env(name: str) -> str:
+    """An upstream model's key, named in config by ``api_key_env`` (env is read only here)."""
+    return os.environ.get(name, "") if name else ""

@@ -59,8 +59,7 @@ def render_template_halves(tokenizer, system: str | None, history: list[dict] | 
     if rendered.count(_MARKER) != 1:
         raise ValueError("the chat template did not render the user content verbatim; cannot segment it")
     before, after = rendered.split(_MARKER)
-    bos = getattr(tokenizer, "bos_token", None)
-    # Templates that print BOS themselves would get it twice if the tokenizer also adds one; we add none.
+    # Templates print BOS themselves where the model wants one; ``encode`` never adds another.
     return before, after
 
 

@@ -7,9 +7,14 @@ Backends move bytes; tensors <-> bytes is the serializer's job, so Redis and dis
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvblend.store.reader import KVReader
 
 
 @dataclass
@@ -55,5 +60,33 @@ class KVStore(ABC):
     def contains(self, key: str) -> bool:
         return self.get(key) is not None
 
+    def open(self, key: str) -> "KVReader | None":
+        """A layer-by-layer reader of ``key``'s KV, or None on a miss (see kvblend.store.reader).
+
+        Default: load everything, then serve slices. Backends override to fetch one layer at a time.
+        """
+        from kvblend.store.reader import TensorReader
+
+        kv = self.get(key)
+        return TensorReader(kv) if kv is not None else None
+
     def stats(self) -> dict:
         return {}
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if internal accounting is inconsistent (tests call this)."""
+
+    def entries(self) -> "Iterator[tuple[str, int]]":
+        """(key, stored bytes) of every entry this store can see (may scan a remote)."""
+        return iter(())
+
+    def clear(self) -> int:
+        """Delete every entry; returns how many were deleted."""
+        return 0
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until asynchronous writes are done; True if nothing is pending."""
+        return True
+
+    def close(self) -> None:
+        """Release threads, files and connections. Idempotent."""

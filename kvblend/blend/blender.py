@@ -1,0 +1,150 @@
+"""The one layer loop every prefill mode runs through.
+
+A ``PrefillPlan`` says which rows have stored KV and which rows are computed from layer 0; check layers
+shrink the computed set to the rows whose KV deviates most. The modes are just plans:
+
+    full    no stored rows, every row computed at every layer
+    prefix  stored rows = the longest cached run of whole segments from the start (exact KV), rest computed
+    reuse   stored rows = prefix + chunks, only uncached rows (the query) computed
+    blend   stored rows = prefix + chunks; chunks + query computed until the check layer(s), then only
+            the top-deviation chunk rows + query
+
+Rows that are not computed at a layer use their stored pre-RoPE K (rotated to their new absolute
+position) and V at that layer. Rows computed at a layer overwrite the stored rows with fresh K/V.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvblend.blend.rope import apply_rope
+from kvblend.blend.selection import causal_mask, select_top_tokens, token_deviation
+from kvblend.models.transformer import TransformerOps
+
+
+@dataclass
+class KVCache:
+    """Attention cache of one sequence: post-RoPE keys and values, preallocated to ``capacity``.
+
+    k, v: [num_layers, num_kv_heads, capacity, head_dim]; rows [0, length) are valid.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, ops: TransformerOps, capacity: int) -> "KVCache":
+        shape = (ops.num_layers, ops.num_kv_heads, capacity, ops.head_dim)
+        return cls(torch.empty(shape, dtype=ops.dtype, device=ops.device),
+                   torch.empty(shape, dtype=ops.dtype, device=ops.device))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+@dataclass
+class PrefillPlan:
+    """The only thing that crosses from the engine's planning to the layer loop.
+
+    Invariants: every row with ``stored_mask`` False is in ``active_rows``; ``active_rows`` is sorted
+    and contains the last row (its logits are the first token); ``check_keep[i]`` is how many stored
+    rows stay active after ``check_layers[i]`` (non-increasing).
+    """
+
+    token_ids: torch.Tensor  # [T] long
+    stored_k: torch.Tensor | None  # [L, Hkv, T, d] pre-RoPE keys; valid where stored_mask
+    stored_v: torch.Tensor | None  # [L, Hkv, T, d]
+    stored_mask: torch.Tensor  # [T] bool
+    active_rows: torch.Tensor  # [A] long, rows computed from layer 0
+    check_layers: tuple[int, ...] = ()
+    check_keep: tuple[int, ...] = ()
+    deviation: str = "v"
+    # Pipelined loading: called before layer l's stored rows are first read; blocks until loaded.
+    wait_layer: Callable[[int], None] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.numel())
+
+
+@dataclass
+class PrefillOutput:
+    last_logits: torch.Tensor  # [vocab] float32
+    fresh_k: torch.Tensor  # [L, Hkv, T, d] pre-RoPE keys: fresh where computed, stored elsewhere
+    fresh_v: torch.Tensor
+    recomputed_rows: torch.Tensor  # stored rows still active after the last check layer
+    final_active_rows: torch.Tensor = field(default=None)
+
+
+def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> PrefillOutput:
+    """Run the layer loop of ``plan``, filling ``cache`` rows [0, T). Returns last-token logits."""
+    T = plan.num_tokens
+    if cache.capacity < T:
+        raise ValueError(f"cache capacity {cache.capacity} < prompt length {T}")
+    positions = torch.arange(T, device=ops.device)
+    cos, sin = ops.rope_cos_sin(positions)  # [T, d]
+    k_pre, v_all = _working_buffers(ops, plan)  # [L, Hkv, T, d] each
+    active = plan.active_rows.to(ops.device)
+    all_rows = active.numel() == T  # plain causal attention, no stored rows read this layer
+    has_stored = bool(plan.stored_mask.any())
+    checks = dict(zip(plan.check_layers, plan.check_keep))
+    h = ops.embed(plan.token_ids[active])  # [A, D]
+    recomputed = torch.empty(0, dtype=torch.long)
+    for layer in range(ops.num_layers):
+        if has_stored and (not all_rows or layer in checks):
+            if plan.wait_layer is not None:
+                plan.wait_layer(layer)
+        q, k, v = ops.qkv(layer, h)  # [Hq, A, d], [Hkv, A, d] x2, pre-RoPE
+        if layer in checks:
+            keep = _check_rows(plan, active, k, v, k_pre[layer], v_all[layer], checks[layer])
+        else:
+            keep = None
+        k_pre[layer][:, active] = k
+        v_all[layer][:, active] = v
+        # Keys of every row at their absolute positions; stored rows are re-positioned here.
+        if all_rows:
+            cache.k[layer, :, :T] = apply_rope(k, cos, sin)
+        else:
+            cache.k[layer, :, :T] = apply_rope(k_pre[layer], cos, sin)
+        cache.v[layer, :, :T] = v_all[layer]
+        if keep is not None:  # shrink to the selected rows from this layer's attention on
+            q, h, active = q[:, keep], h[keep], active[keep]
+            recomputed = active[plan.stored_mask[active.cpu()]].cpu()
+            all_rows = active.numel() == T
+        q = apply_rope(q, cos[active], sin[active])
+        mask = None if all_rows else causal_mask(active, T)
+        attn = ops.attend(q, cache.k[layer, :, :T], cache.v[layer, :, :T], mask)
+        h = ops.finish_layer(layer, h, attn)
+    cache.length = T
+    last_logits = ops.logits(h[-1:])[0]
+    return PrefillOutput(last_logits, k_pre, v_all, recomputed, active.cpu())
+
+
+def _working_buffers(ops: TransformerOps, plan: PrefillPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-RoPE K and V buffers [L, Hkv, T, d], stored rows in place (fresh rows written per layer)."""
+    if plan.stored_k is not None:
+        return plan.stored_k, plan.stored_v
+    shape = (ops.num_layers, ops.num_kv_heads, plan.num_tokens, ops.head_dim)
+    return (torch.empty(shape, dtype=ops.dtype, device=ops.device),
+            torch.empty(shape, dtype=ops.dtype, device=ops.device))
+
+
+def _check_rows(plan: PrefillPlan, active: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                stored_k_layer: torch.Tensor, stored_v_layer: torch.Tensor, num_keep: int) -> torch.Tensor:
+    """Local indices (into ``active``) that stay computed after this check layer.
+
+    Unstored active rows (query, fresh segments) always stay; among stored active rows the ``num_keep``
+    with the largest fresh-vs-stored deviation stay.
+    """
+    is_stored = plan.stored_mask.to(active.device)[active]  # [A] bool
+    cand = is_stored.nonzero().flatten()  # local indices of stored rows
+    rows = active[cand]
+    dev = token_deviation(k[:, cand], v[:, cand], stored_k_layer[:, rows], stored_v_layer[:, rows], plan.deviation)
+    chosen = cand[select_top_tokens(dev, num_keep)]
+    keep = torch.cat([(~is_stored).nonzero().flatten(), chosen])
+    return keep.sort().values

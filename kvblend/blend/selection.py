@@ -1,0 +1,53 @@
+"""Token selection for CacheBlend, as pure functions over tensors.
+
+At a check layer every candidate row has fresh K/V (computed in the real, mixed context) and cached K/V
+(computed with its chunk alone). Rows whose KV deviates most are the ones missing cross-chunk attention:
+they keep being recomputed; the rest reuse their cached KV from here on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def token_deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor,
+                    cached_v: torch.Tensor, kind: str = "v") -> torch.Tensor:
+    """Squared L2 deviation per token, summed over heads and dims.
+
+    fresh_*/cached_*: [kv_heads, N, d] (keys pre-RoPE, so positions do not enter) -> float32 [N].
+    """
+    def sq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a.float() - b.float()).pow(2).sum(dim=(0, 2))
+
+    if kind == "v":
+        return sq(fresh_v, cached_v)
+    if kind == "k":
+        return sq(fresh_k, cached_k)
+    if kind == "kv":
+        return sq(fresh_k, cached_k) + sq(fresh_v, cached_v)
+    raise ValueError(f"unknown deviation kind {kind!r}")
+
+
+def num_to_keep(ratio: float, num_candidates: int) -> int:
+    """How many of ``num_candidates`` chunk tokens a ratio keeps (ceil, so r > 0 keeps at least one)."""
+    return min(num_candidates, int(math.ceil(ratio * num_candidates - 1e-9)))
+
+
+def select_top_tokens(deviation: torch.Tensor, num_keep: int) -> torch.Tensor:
+    """Indices (into ``deviation``) of the ``num_keep`` largest deviations, in ascending index order."""
+    if num_keep >= deviation.numel():
+        return torch.arange(deviation.numel(), device=deviation.device)
+    if num_keep <= 0:
+        return torch.empty(0, dtype=torch.long, device=deviation.device)
+    return torch.topk(deviation, num_keep, sorted=False).indices.sort().values
+
+
+def causal_mask(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Exact causal mask by absolute position: a query at position p sees keys at positions <= p.
+
+    query_positions [S] -> bool [S, num_keys]. (Not the bottom-right approximation, which lets a
+    selected early token see later keys.)"""
+    key_positions = torch.arange(num_keys, device=query_positions.device)
+    return key_positions[None, :] <= query_positions[:, None]

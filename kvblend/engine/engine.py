@@ -1,0 +1,414 @@
+"""The kvblend engine: plan a prefill per mode from the chunk store, run it, decode.
+
+One ``Engine`` per model. It is not thread-safe: a single worker (the scheduler, a CLI, a bench) drives
+it. ``start`` prefills a request and samples its first token; ``step`` runs one batched decode step
+over any number of live sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kvblend.blend.blender import KVCache, PrefillPlan, run_prefill
+from kvblend.blend.rope import apply_rope
+from kvblend.blend.segmenter import (CHUNK_SEPARATOR, Segments, build_segments, build_segments_from_parts,
+                                     encode, render_template_halves, split_plain_text)
+from kvblend.blend.selection import num_to_keep
+from kvblend.config import EngineConfig, validate_mode, validate_ratio
+from kvblend.engine.request import (GenerationRequest, GenerationResult, PrefillStats, SamplingParams,
+                                    TokenEvent)
+from kvblend.engine.sampler import create_generator, sample
+from kvblend.models.loader import EMBEDDED_MODEL_ID, LoadedModel, load_model
+from kvblend.models.transformer import TransformerOps
+from kvblend.store.base import ChunkKV, KVStore
+from kvblend.store.key import make_chunk_key, make_prefix_key
+from kvblend.store.memory import MemoryStore
+
+log = logging.getLogger(__name__)
+
+
+class ContextLengthError(ValueError):
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_context_len: int):
+        self.prompt_tokens, self.max_tokens, self.max_context_len = prompt_tokens, max_tokens, max_context_len
+        super().__init__(
+            f"this model's maximum context length is {max_context_len} tokens; the prompt has {prompt_tokens} "
+            f"tokens and {max_tokens} more were requested for the completion ({prompt_tokens + max_tokens} in all)"
+        )
+
+
+@dataclass
+class _StoredSegment:
+    row_start: int
+    kv: ChunkKV
+    is_hit: bool  # found in the store at request start (vs computed alone during this request)
+
+
+class Sequence:
+    """A request being generated: its KV cache, sampled tokens and streaming text state."""
+
+    def __init__(self, request: GenerationRequest, cache: KVCache, stats: PrefillStats):
+        self.request = request
+        self.cache = cache
+        self.stats = stats
+        self.generated: list[int] = []
+        self.generator = create_generator(request.sampling)
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.first_token_logits: torch.Tensor | None = None
+        self.text = ""  # text emitted so far (stop strings never included)
+        self.pending: list[TokenEvent] = []  # events produced by start() not yet handed out
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(list(self.generated), self.text, self.finish_reason or "length",
+                                self.stats, self.first_token_logits)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, store: KVStore):
+        self.config = config
+        self.loaded = loaded
+        self.store = store
+        self.tokenizer = loaded.tokenizer
+        self.ops = TransformerOps(loaded.hf_model)
+        self.fingerprint = loaded.fingerprint
+        self.model_id = EMBEDDED_MODEL_ID if not config.model.model else loaded.model_dir.name
+        self.max_context_len = self.ops.max_position_embeddings
+        # Chunks are prefilled behind this context; it is part of every chunk key.
+        ctx_text = config.chunk_context
+        if ctx_text is None:
+            ctx_text = render_template_halves(self.tokenizer, system=None)[0]
+        self.chunk_context_ids = encode(self.tokenizer, ctx_text)
+        self.eos_ids = _eos_ids(loaded)
+
+    # ---- prompts -------------------------------------------------------------------------------
+    def segments(self, documents: list[str], question: str, instruction: str = "",
+                 system: str | None = None) -> Segments:
+        return build_segments(self.tokenizer, documents, question, instruction, system)
+
+    def segments_from_messages(self, messages: list[dict], documents: list[str] | None = None) -> Segments:
+        """OpenAI chat messages -> segments. Chunks come from, in order of precedence: ``documents``
+        (each + a blank line, before the last user message's text); a last user message given as an
+        array of text parts (every part but the last is a chunk); or its plain text, split at blank
+        lines (every piece but the last is a chunk)."""
+        if not messages or messages[-1].get("role") != "user":
+            raise ValueError("messages must end with a user message")
+        history = [{"role": m["role"], "content": _content_text(m.get("content"))} for m in messages[:-1]]
+        content = messages[-1].get("content")
+        if documents:
+            chunks = [d + CHUNK_SEPARATOR for d in documents if d]
+            query = _content_text(content)
+        elif isinstance(content, list):
+            parts = [_part_text(p) for p in content]
+            parts = [p for p in parts if p]
+            chunks, query = parts[:-1], (parts[-1] if parts else "")
+        else:
+            chunks, query = split_plain_text(content or "")
+        return build_segments_from_parts(self.tokenizer, chunks, query, history=history)
+
+    def segments_from_text(self, prompt: str) -> Segments:
+        """A raw completion prompt: no template; split at blank lines like plain chat text."""
+        chunks, query = split_plain_text(prompt)
+        return Segments(prefix_ids=[], chunk_ids=[i for i in (encode(self.tokenizer, c) for c in chunks) if i],
+                        query_ids=encode(self.tokenizer, query))
+
+    # ---- chunk precompute ----------------------------------------------------------------------
+    def chunk_key(self, chunk_ids: list[int], namespace: str = "") -> str:
+        return make_chunk_key(self.fingerprint, self.chunk_context_ids, chunk_ids, namespace)
+
+    def precompute(self, chunks: list[list[int]], namespace: str = "") -> list[dict]:
+        """Compute and store the KV of each chunk not already stored. Returns one dict per chunk."""
+        out = []
+        for ids in chunks:
+            key = self.chunk_key(ids, namespace)
+            cached = self.store.contains(key)
+            if not cached:
+                self.store.put(key, self._compute_chunk(ids))
+            out.append({"key": key, "num_tokens": len(ids), "cached": cached})
+        return out
+
+    @torch.inference_mode()
+    def _compute_chunk(self, chunk_ids: list[int]) -> ChunkKV:
+        """KV of a chunk prefilled alone behind the chunk context (whose KV is dropped)."""
+        ctx = self.chunk_context_ids
+        total = len(ctx) + len(chunk_ids)
+        if not chunk_ids:
+            raise ValueError("empty chunk")
+        if total > self.max_context_len:
+            raise ValueError(f"chunk of {len(chunk_ids)} tokens (+{len(ctx)} context) exceeds the "
+                             f"context window of {self.max_context_len} tokens")
+        ids = torch.tensor(ctx + list(chunk_ids), dtype=torch.long)
+        plan = PrefillPlan(ids, None, None, torch.zeros(total, dtype=torch.bool), torch.arange(total))
+        out = run_prefill(self.ops, plan, KVCache.allocate(self.ops, total))
+        # [L, Hkv, len(chunk), d], contiguous copies so the store never aliases a working buffer.
+        return ChunkKV(out.fresh_k[:, :, len(ctx):].clone(), out.fresh_v[:, :, len(ctx):].clone())
+
+    # ---- prefill + decode ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def start(self, request: GenerationRequest) -> Sequence:
+        """Prefill ``request`` and sample its first token (available via ``step`` / ``pending``)."""
+        t0 = time.perf_counter()
+        mode = validate_mode(request.mode or self.config.blend.mode)
+        ratio = validate_ratio(self.config.blend.recompute_ratio if request.recompute_ratio is None
+                               else request.recompute_ratio)
+        segs = request.segments
+        num_tokens = segs.num_tokens
+        if num_tokens == 0:
+            raise ValueError("empty prompt: at least one token is required")
+        max_new = request.sampling.max_tokens
+        if num_tokens + max_new > self.max_context_len:
+            raise ContextLengthError(num_tokens, max_new, self.max_context_len)
+        stats = PrefillStats(mode=mode, recompute_ratio=ratio if mode == "blend" else (1.0 if mode in ("full", "prefix") else 0.0),
+                             prompt_tokens=num_tokens)
+        plan, stored, to_store = self._plan(segs, mode, ratio, request.namespace, stats)
+        t_loaded = time.perf_counter()
+        cache = KVCache.allocate(self.ops, num_tokens + max_new)
+        out = run_prefill(self.ops, plan, cache)
+        self._account(stats, stored, out.recomputed_rows, num_tokens)
+        for key, start, end in to_store:  # exact-context segments: reusable by later prefix hits
+            self.store.put(key, ChunkKV(out.fresh_k[:, :, start:end].clone(), out.fresh_v[:, :, start:end].clone()))
+        seq = Sequence(request, cache, stats)
+        seq.first_token_logits = out.last_logits
+        event = self._append_token(seq, sample(out.last_logits, request.sampling, seq.generator))
+        t1 = time.perf_counter()
+        stats.ttft_ms = (t1 - t0) * 1e3
+        stats.load_ms = (t_loaded - t0) * 1e3
+        stats.compute_ms = (t1 - t_loaded) * 1e3
+        if event is not None:
+            seq.pending.append(event)
+        return seq
+
+    def _plan(self, segs: Segments, mode: str, ratio: float, namespace: str,
+              stats: PrefillStats) -> tuple[PrefillPlan, list[_StoredSegment], list[tuple[str, int, int]]]:
+        """Look segments up in the store for ``mode`` and build the layer-loop plan."""
+        ids = torch.tensor(segs.token_ids, dtype=torch.long)
+        num_tokens = ids.numel()
+        stats.chunks_total = len(segs.chunk_ids)
+        if mode == "full":
+            stored, to_store = [], []
+        elif mode == "prefix":
+            stored, to_store = self._lookup_prefix_chain(segs, namespace)
+        else:
+            stored, to_store = self._lookup_chunks(segs, namespace, stats)
+        stored_mask = torch.zeros(num_tokens, dtype=torch.bool)
+        stored_k = stored_v = None
+        if stored:
+            shape = (self.ops.num_layers, self.ops.num_kv_heads, num_tokens, self.ops.head_dim)
+            stored_k = torch.empty(shape, dtype=self.ops.dtype, device=self.ops.device)
+            stored_v = torch.empty(shape, dtype=self.ops.dtype, device=self.ops.device)
+            for seg in stored:  # [L, Hkv, len, d] slices into the assembled buffers
+                end = seg.row_start + seg.kv.seq_len
+                stored_k[:, :, seg.row_start:end] = seg.kv.k
+                stored_v[:, :, seg.row_start:end] = seg.kv.v
+                stored_mask[seg.row_start:end] = True
+        prefix_len = len(segs.prefix_ids)
+        if mode == "blend":
+            # Stored prefix rows are exact (same content, same positions): never recomputed.
+            prefix_stored = torch.zeros(num_tokens, dtype=torch.bool)
+            prefix_stored[:prefix_len] = stored_mask[:prefix_len]
+            active = (~prefix_stored).nonzero().flatten()
+            num_chunk_rows = int(stored_mask[prefix_len:].sum())
+            layers, keep = self._check_schedule(ratio, num_chunk_rows)
+        else:
+            active = (~stored_mask).nonzero().flatten()
+            layers, keep = (), ()
+        if active.numel() == 0 or int(active[-1]) != num_tokens - 1:
+            # The last row's logits are the first token: it is always computed.
+            active = torch.unique(torch.cat([active, torch.tensor([num_tokens - 1])]))
+        plan = PrefillPlan(ids, stored_k, stored_v, stored_mask, active, layers, keep,
+                           self.config.blend.deviation)
+        return plan, stored, to_store
+
+    def _check_schedule(self, ratio: float, num_chunk_rows: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Check layers and how many chunk rows each keeps. Gradual filtering: the configured ratios,
+        with the request's ratio as the last (never above an earlier one)."""
+        cfg = self.config.blend
+        layers = tuple(l for l in cfg.check_layers if l < self.ops.num_layers)
+        if not layers or num_chunk_rows == 0:
+            return (), ()
+        ratios = list(cfg.check_ratios[: len(layers)]) if cfg.check_ratios else [ratio] * len(layers)
+        ratios[-1] = ratio
+        ratios = [max(r, ratio) for r in ratios]  # shrinking schedule ending at the request's ratio
+        return layers, tuple(num_to_keep(r, num_chunk_rows) for r in ratios)
+
+    def _lookup_prefix_chain(self, segs: Segments, namespace: str):
+        """Longest run of whole segments from the start whose exact-context KV is stored."""
+        stored, to_store, parent, row, hit = [], [], None, 0, True
+        for kind, seg_ids in segs.segment_list():
+            if kind == "query":
+                break
+            key = make_prefix_key(self.fingerprint, parent, seg_ids, namespace)
+            parent = key
+            kv = self.store.get(key) if hit else None
+            if kv is not None and kv.seq_len == len(seg_ids):
+                stored.append(_StoredSegment(row, kv, True))
+            else:
+                hit = False
+                to_store.append((key, row, row + len(seg_ids)))
+            row += len(seg_ids)
+        return stored, to_store
+
+    def _lookup_chunks(self, segs: Segments, namespace: str, stats: PrefillStats):
+        """Prefix by its exact key, each chunk by its position-independent key; missing chunks are
+        computed alone now and stored, so the next request with them hits."""
+        stored, to_store, row = [], [], 0
+        if segs.prefix_ids:
+            key = make_prefix_key(self.fingerprint, None, segs.prefix_ids, namespace)
+            kv = self.store.get(key)
+            if kv is not None and kv.seq_len == len(segs.prefix_ids):
+                stored.append(_StoredSegment(0, kv, True))
+            else:
+                to_store.append((key, 0, len(segs.prefix_ids)))
+            row = len(segs.prefix_ids)
+        for chunk_ids in segs.chunk_ids:
+            key = self.chunk_key(chunk_ids, namespace)
+            kv = self.store.get(key)
+            hit = kv is not None and kv.seq_len == len(chunk_ids)
+            if not hit:
+                kv = self._compute_chunk(chunk_ids)
+                self.store.put(key, kv)
+            stats.chunks_hit += int(hit)
+            stored.append(_StoredSegment(row, kv, hit))
+            row += len(chunk_ids)
+        return stored, to_store
+
+    @staticmethod
+    def _account(stats: PrefillStats, stored: list[_StoredSegment], recomputed_rows: torch.Tensor,
+                 num_tokens: int) -> None:
+        hit_mask = torch.zeros(num_tokens, dtype=torch.bool)
+        for seg in stored:
+            if seg.is_hit:
+                hit_mask[seg.row_start:seg.row_start + seg.kv.seq_len] = True
+        num_hit = int(hit_mask.sum())
+        stats.recomputed_tokens = int(hit_mask[recomputed_rows].sum()) if recomputed_rows.numel() else 0
+        stats.reused_tokens = num_hit - stats.recomputed_tokens
+        stats.fresh_tokens = num_tokens - num_hit
+
+    @torch.inference_mode()
+    def step(self, seqs: list[Sequence]) -> list[TokenEvent | None]:
+        """One decode step for every live sequence in ``seqs``, batched through the linear layers.
+
+        A sequence whose ``pending`` event (from ``start``) is not handed out yet returns that instead."""
+        events: list[TokenEvent | None] = [None] * len(seqs)
+        live = []
+        for i, s in enumerate(seqs):
+            if s.pending:
+                events[i] = s.pending.pop(0)
+            elif not s.finished:
+                live.append(i)
+        if not live:
+            return events
+        batch = [seqs[i] for i in live]
+        logits = self._decode_logits(batch)  # [B, vocab]
+        for row, i in enumerate(live):
+            s = seqs[i]
+            events[i] = self._append_token(s, sample(logits[row], s.request.sampling, s.generator))
+        return events
+
+    def _decode_logits(self, batch: list[Sequence]) -> torch.Tensor:
+        ops = self.ops
+        ids = torch.tensor([s.generated[-1] for s in batch], dtype=torch.long)
+        lengths = [s.cache.length for s in batch]
+        cos, sin = ops.rope_cos_sin(torch.tensor(lengths))  # [B, d]: each row at its own position
+        h = ops.embed(ids)  # [B, D]
+        for layer in range(ops.num_layers):
+            q, k, v = ops.qkv(layer, h)  # [Hq, B, d], [Hkv, B, d]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            outs = []
+            for b, s in enumerate(batch):  # attention per sequence: caches differ in length
+                n = lengths[b]
+                s.cache.k[layer, :, n] = k[:, b]
+                s.cache.v[layer, :, n] = v[:, b]
+                outs.append(ops.attend(q[:, b:b + 1], s.cache.k[layer, :, :n + 1], s.cache.v[layer, :, :n + 1],
+                                       mask=None, causal=False))
+            h = ops.finish_layer(layer, h, torch.cat(outs))
+        for s in batch:
+            s.cache.length += 1
+        return ops.logits(h)
+
+    def _append_token(self, seq: Sequence, token_id: int) -> TokenEvent | None:
+        """Record a sampled token; finish on EOS / stop token / stop string / max_tokens."""
+        params = seq.request.sampling
+        if not params.ignore_eos and (token_id in self.eos_ids or token_id in params.stop_token_ids):
+            seq.finished, seq.finish_reason = True, "stop"
+            return None
+        if token_id in params.stop_token_ids:
+            seq.finished, seq.finish_reason = True, "stop"
+            return None
+        seq.generated.append(token_id)
+        full = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
+        hold = 0
+        for stop in params.stop:
+            at = full.find(stop)
+            if stop and at != -1:
+                full, seq.finished, seq.finish_reason = full[:at], True, "stop"
+                break
+            hold = max(hold, _partial_suffix(full, stop))
+        if not seq.finished and len(seq.generated) >= params.max_tokens:
+            seq.finished, seq.finish_reason, hold = True, "length", 0
+        if not seq.finished and full.endswith("\ufffd"):
+            hold = max(hold, 1)  # an incomplete UTF-8 sequence: wait for the next token
+        visible = full[: len(full) - hold] if hold else full
+        delta = visible[len(seq.text):] if visible.startswith(seq.text) else ""
+        seq.text += delta
+        return TokenEvent(token_id, delta, len(seq.generated) - 1)
+
+    def generate(self, request: GenerationRequest) -> Iterator[TokenEvent | GenerationResult]:
+        """Yield TokenEvents, then one GenerationResult."""
+        seq = self.start(request)
+        while seq.pending or not seq.finished:
+            (event,) = self.step([seq])
+            if event is not None:
+                yield event
+        yield seq.result()
+
+    def run(self, request: GenerationRequest) -> GenerationResult:
+        result = None
+        for item in self.generate(request):
+            result = item
+        return result
+
+
+def _partial_suffix(text: str, stop: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop`` (held back)."""
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
+
+
+def _part_text(part) -> str:
+    if isinstance(part, str):
+        return part
+    if isinstance(part, dict) and part.get("type", "text") == "text":
+        return part.get("text", "") or ""
+    raise ValueError("only text content parts are supported")
+
+
+def _content_text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "".join(_part_text(p) for p in content)
+    return str(content)
+
+
+def _eos_ids(loaded: LoadedModel) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(loaded.hf_model, "generation_config", None), loaded.hf_model.config, loaded.tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+def create_engine(config: EngineConfig | None = None, store: KVStore | None = None) -> Engine:
+    config = config or EngineConfig()
+    loaded = load_model(config.model)
+    return Engine(config, loaded, store if store is not None else MemoryStore())

@@ -1,0 +1,29 @@
+"""Next-token choice from float32 logits: greedy, or temperature + top-p with a per-request generator."""
+
+from __future__ import annotations
+
+import torch
+
+from kvblend.engine.request import SamplingParams
+
+
+def create_generator(params: SamplingParams) -> torch.Generator | None:
+    if params.temperature == 0:
+        return None
+    gen = torch.Generator()
+    gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    return gen
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """logits [vocab] float32 -> token id."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits).item())
+    probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest head whose mass reaches top_p (the first token always stays).
+        cut = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        sorted_probs[cut] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -1,0 +1,287 @@
+"""What a model id resolves to: a ``Backend`` with one interface, whatever serves the tokens.
+
+The HTTP layer turns an OpenAI (or, later, Anthropic) request into a wire-neutral ``GenerationJob``
+and consumes ``Delta`` / ``Final`` events; it never touches an engine. ``LocalBackend`` runs an
+in-process engine behind a ``Scheduler`` worker thread; an upstream (remote OpenAI-compatible)
+backend only has to implement the same ``open`` / ``precompute`` / lifecycle methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Union
+
+from kvblend.blend.segmenter import CHUNK_SEPARATOR, Segments, encode, split_plain_text
+from kvblend.config import ModelEntry, ServerConfig, StoreConfig
+from kvblend.engine.request import GenerationRequest, GenerationResult, PrefillStats, SamplingParams, TokenEvent
+from kvblend.engine.scheduler import Failed, QueueFullError, Scheduler, SchedulerClosedError, Started
+from kvblend.server import errors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationJob:
+    """A generation request independent of the API it arrived through."""
+
+    messages: list[dict] | None = None  # chat: OpenAI-style messages (text only)
+    prompt: str | list[int] | None = None  # completions: raw prompt text or token ids
+    documents: list[str] = field(default_factory=list)
+    max_tokens: int | None = None  # None: the server default, capped by the free context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    mode: str | None = None
+    recompute_ratio: float | None = None
+    namespace: str = ""
+
+
+@dataclass
+class Delta:
+    text: str
+
+
+@dataclass
+class Final:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    text: str  # the whole completion (non-streaming responses use it)
+    kvblend: dict[str, Any] | None = None  # PrefillStats.as_dict()
+
+
+BackendEvent = Union[Delta, Final]
+
+
+class GenerationStream(Protocol):
+    def events(self) -> AsyncIterator[BackendEvent]: ...
+    def cancel(self) -> None: ...
+
+
+class Backend(Protocol):
+    id: str
+    created: int
+    owned_by: str
+
+    def start(self) -> None: ...  # blocking (loads weights); called once, off the event loop
+    def close(self) -> None: ...
+    def queue_depth(self) -> int: ...
+    async def open(self, job: GenerationJob) -> GenerationStream: ...  # raises APIError before any output
+    async def precompute(self, documents: list[str], namespace: str) -> list[dict]: ...
+
+
+# --- local engine --------------------------------------------------------------------------------
+
+def completion_segments(tokenizer, prompt: str | list[int], documents: list[str]) -> Segments:
+    """Segments for /v1/completions (no chat template): [tokenizer's own BOS] [documents] [prompt pieces] .
+
+    A text prompt is auto-segmented like a plain chat message, so blank-line-joined documents hit the cache.
+    """
+    prefix = list(tokenizer.encode("", add_special_tokens=True))  # BOS for Llama-style tokenizers, else []
+    chunks = [encode(tokenizer, d + CHUNK_SEPARATOR) for d in documents if d]
+    if isinstance(prompt, list):
+        return Segments(prefix_ids=prefix, chunk_ids=chunks, query_ids=list(prompt))
+    pieces, query = split_plain_text(prompt)
+    chunks += [encode(tokenizer, p) for p in pieces]
+    return Segments(prefix_ids=prefix, chunk_ids=[c for c in chunks if c], query_ids=encode(tokenizer, query))
+
+
+class PromptTooLong(ValueError):
+    """Raised on the worker when prompt (+ requested completion) exceeds the context window."""
+
+    def __init__(self, prompt_tokens: int, max_context_len: int, requested: int | None = None):
+        super().__init__(f"prompt of {prompt_tokens} tokens does not fit {max_context_len}")
+        self.prompt_tokens = prompt_tokens
+        self.max_context_len = max_context_len
+        self.requested = requested
+
+
+def build_request(engine, job: GenerationJob, default_max_tokens: int) -> GenerationRequest:
+    """Runs on the worker thread: tokenizes, checks the context window, fixes max_tokens."""
+    if job.messages is not None:
+        segs = engine.segments_from_messages(job.messages, documents=job.documents or None)
+    else:
+        segs = completion_segments(engine.tokenizer, job.prompt if job.prompt is not None else "", job.documents)
+    n, limit = segs.num_tokens, int(engine.max_context_len)
+    if n >= limit:
+        raise PromptTooLong(n, limit)
+    if job.max_tokens is not None and n + job.max_tokens > limit:
+        raise PromptTooLong(n, limit, job.max_tokens)
+    max_tokens = job.max_tokens or max(1, min(default_max_tokens, limit - n))
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=job.temperature, top_p=job.top_p,
+                              stop=list(job.stop), seed=job.seed)
+    return GenerationRequest(segs, sampling, mode=job.mode, recompute_ratio=job.recompute_ratio,
+                             namespace=job.namespace)
+
+
+def map_engine_error(e: BaseException) -> errors.APIError:
+    """Engine exceptions -> OpenAI errors. Context-length errors are recognised by their attributes."""
+    if isinstance(e, errors.APIError):
+        return e
+    if hasattr(e, "prompt_tokens") and hasattr(e, "max_context_len"):
+        requested = getattr(e, "requested", None)
+        if requested:
+            return errors.invalid_request(
+                f"This model's maximum context length is {e.max_context_len} tokens. However, you requested "
+                f"{e.prompt_tokens + requested} tokens ({e.prompt_tokens} in the messages, {requested} in the "
+                f"completion). Please reduce the length of the messages or completion.",
+                "messages", "context_length_exceeded")
+        return errors.context_length_exceeded(int(e.prompt_tokens), int(e.max_context_len))
+    if isinstance(e, SchedulerClosedError):
+        return errors.unavailable(str(e))
+    if isinstance(e, ValueError):  # the engine's contract: ValueError = bad input, message names the limit
+        return errors.invalid_request(str(e))
+    log.error("generation failed", exc_info=e)
+    return errors.internal_error()
+
+
+class LocalStream:
+    """Consumes one request's events from the worker through an asyncio queue on the server's loop."""
+
+    def __init__(self, handle, queue: asyncio.Queue, stats: PrefillStats):
+        self._handle = handle
+        self._queue = queue
+        self.stats = stats
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+    async def events(self) -> AsyncIterator[BackendEvent]:
+        streamed: list[str] = []
+        try:
+            while True:
+                ev = await self._queue.get()
+                if isinstance(ev, TokenEvent):
+                    if ev.text:
+                        streamed.append(ev.text)
+                        yield Delta(ev.text)
+                elif isinstance(ev, GenerationResult):
+                    # If the engine settled text differently than it streamed (e.g. held-back stop text),
+                    # send what the client has not seen yet so stream and non-stream agree.
+                    sent = "".join(streamed)
+                    if ev.text.startswith(sent) and len(ev.text) > len(sent):
+                        yield Delta(ev.text[len(sent):])
+                    yield _final(ev)
+                    return
+                elif isinstance(ev, Failed):
+                    raise map_engine_error(ev.error)
+        finally:
+            self._handle.cancel()  # no-op when finished; frees the sequence when the consumer left early
+
+
+def _final(result: GenerationResult) -> Final:
+    s = result.stats
+    return Final(result.finish_reason, s.prompt_tokens, len(result.token_ids), s.cached_tokens, result.text,
+                 s.as_dict())
+
+
+class LocalBackend:
+    owned_by = "kvblend"
+
+    def __init__(self, entry: ModelEntry, store, config: ServerConfig):
+        self.entry = entry
+        self.store = store
+        self.config = config
+        self.id = entry.id
+        self.created = int(time.time())
+        self.engine = None
+        self.scheduler: Scheduler | None = None
+
+    def start(self) -> None:
+        from kvblend.engine.engine import create_engine  # heavy (torch); imported when serving only
+
+        self.engine = create_engine(self.entry.engine_config(), self.store)
+        self.id = self.entry.id or self.engine.model_id
+        self.scheduler = Scheduler(self.engine, self.config.max_queue, self.config.max_batch,
+                                   self.config.retry_after_s, name=self.id).start()
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
+
+    def queue_depth(self) -> int:
+        return self.scheduler.queue_depth if self.scheduler else 0
+
+    def active(self) -> int:
+        return self.scheduler.active_count if self.scheduler else 0
+
+    def _scheduler(self) -> Scheduler:
+        if self.scheduler is None or not self.scheduler.alive:
+            raise errors.unavailable(f"model {self.id!r} is not running", self.config.retry_after_s)
+        return self.scheduler
+
+    async def open(self, job: GenerationJob) -> LocalStream:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def sink(ev) -> None:  # worker thread -> this request's queue, never blocking the worker
+            loop.call_soon_threadsafe(queue.put_nowait, ev)
+
+        default_max = self.config.default_max_tokens
+        try:
+            handle = self._scheduler().submit(lambda engine: build_request(engine, job, default_max), sink)
+        except QueueFullError as e:
+            raise errors.queue_full(e.retry_after_s, e.depth) from None
+        except SchedulerClosedError as e:
+            raise errors.unavailable(str(e), self.config.retry_after_s) from None
+        try:
+            first = await queue.get()  # prefill outcome: errors surface before any byte is sent
+        except BaseException:
+            handle.cancel()  # client disconnected while queued
+            raise
+        if isinstance(first, Failed):
+            raise map_engine_error(first.error)
+        assert isinstance(first, Started), first
+        return LocalStream(handle, queue, first.stats)
+
+    async def precompute(self, documents: list[str], namespace: str) -> list[dict]:
+        def run(engine) -> list[dict]:
+            ids = [engine.segments(documents=[d], question="").chunk_ids[0] for d in documents]
+            return list(engine.precompute(ids, namespace=namespace))
+
+        try:
+            fut = self._scheduler().call(run)
+        except QueueFullError as e:
+            raise errors.queue_full(e.retry_after_s, e.depth) from None
+        try:
+            return await asyncio.wrap_future(fut)
+        except errors.APIError:
+            raise
+        except Exception as e:
+            raise map_engine_error(e) from None
+
+
+def document_id(text: str) -> str:
+    return "doc-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def build_store(cfg: StoreConfig):
+    """The configured chunk store, shared by every local model (keys carry the model fingerprint)."""
+    try:
+        from kvblend.store import factory  # the tiered-store module, when this checkout has it
+    except ImportError:
+        factory = None
+    if factory is not None and hasattr(factory, "create_store"):
+        return factory.create_store(cfg)
+    if cfg.tiers != ("memory",):
+        raise ValueError(f"store tiers {cfg.tiers} are not available in this build (memory only)")
+    from kvblend.store.memory import MemoryStore
+
+    return MemoryStore()
+
+
+def build_backends(config: ServerConfig, store) -> list[Backend]:
+    out: list[Backend] = []
+    for entry in config.models:
+        if entry.kind == "local":
+            out.append(LocalBackend(entry, store, config))
+        else:
+            raise ValueError(f"model {entry.id!r}: backend kind {entry.kind!r} is not implemented yet")
+    return out
