@@ -178,8 +178,9 @@ class ModelEntry:
     """One model id served by `kvblend serve`.
 
     kind "local": an in-process engine over ``model`` (weights path; "" = embedded model).
-    kind "upstream": reserved for routing to another OpenAI-compatible service (``base_url``,
-    ``upstream_model``, key from env var ``api_key_env``); not implemented by the server yet.
+    kind "upstream": requests are forwarded to another OpenAI-compatible service (``base_url``, e.g.
+    ``https://api.example.com/v1``; ``upstream_model``, default ``id``; the key is read from the
+    environment variable *named* by ``api_key_env``, never written in the file). See docs/GATEWAY.md.
     """
 
     id: str = ""  # "" (local only): the engine's own model_id
@@ -195,12 +196,18 @@ class ModelEntry:
     base_url: str = ""
     upstream_model: str = ""
     api_key_env: str = ""
+    timeout_s: float = 60.0  # upstream: read timeout per request (between stream chunks when streaming)
+    retries: int = 2  # upstream: extra attempts, only for connection failures before any byte was sent
 
     def __post_init__(self):
         if self.kind not in BACKEND_KINDS:
             raise ValueError(f"model kind must be one of {BACKEND_KINDS}, got {self.kind!r}")
         if self.kind == "upstream" and (not self.id or not self.base_url):
             raise ValueError("an upstream model needs both id and base_url")
+        if self.kind == "upstream" and not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"model {self.id!r}: base_url must start with http:// or https://")
+        if self.timeout_s <= 0 or self.retries < 0:
+            raise ValueError(f"model {self.id!r}: timeout_s must be > 0 and retries >= 0")
         validate_mode(self.mode)
         self.recompute_ratio = validate_ratio(self.recompute_ratio)
 

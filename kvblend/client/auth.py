@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -169,6 +170,9 @@ def endpoints_from_args(args: argparse.Namespace) -> list[Endpoint]:
     auths = args.auth if isinstance(args.auth, list) else [args.auth]
     profiles = args.profile if isinstance(args.profile, list) else [args.profile]
     endpoints = [load_endpoint(a, p) for a in (auths or [None]) for p in (profiles or [None])]
+    if len(endpoints) > 1 and client_env_overrides():
+        # Env overrides apply to every profile, so side-by-side endpoints may silently become one.
+        logging.getLogger(__name__).warning("KVBLEND_BASE_URL/_API_KEY/_MODEL_ID override every compared endpoint")
     seen: dict[str, int] = {}
     unique = []
     for ep in endpoints:

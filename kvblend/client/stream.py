@@ -20,6 +20,8 @@ MODE_FIELD = "mode"
 RATIO_FIELD = "recompute_ratio"
 OVERRIDE_NAMESPACE: str | None = None
 
+DEFAULT_MODE = "default"  # mode spec meaning "send no override"
+
 PLACEHOLDER_KEY = "EMPTY"  # the openai client insists on a key; servers without auth ignore it
 
 
@@ -35,7 +37,8 @@ def kvblend_override(mode: str | None, ratio: float | None = None) -> dict:
 
 @dataclass(frozen=True)
 class ModeSpec:
-    """A prefill mode as named on the command line: ``full``, ``reuse``, ``blend``, ``blend@0.15``."""
+    """A prefill mode as named on the command line: ``full``, ``reuse``, ``blend``, ``blend@0.15``;
+    ``default`` sends no override (the server's own default; the only choice for non-kvblend servers)."""
 
     mode: str
     ratio: float | None = None
@@ -45,13 +48,15 @@ class ModeSpec:
         return f"{self.mode}@{self.ratio:g}" if self.ratio is not None else self.mode
 
     def extra_body(self) -> dict:
-        return kvblend_override(self.mode, self.ratio)
+        return {} if self.mode == DEFAULT_MODE else kvblend_override(self.mode, self.ratio)
 
 
 def parse_mode_spec(text: str) -> ModeSpec:
     from kvblend.config import validate_mode, validate_ratio
 
     mode, _, ratio = text.strip().partition("@")
+    if mode == DEFAULT_MODE and not ratio:
+        return ModeSpec(DEFAULT_MODE)
     validate_mode(mode)
     if ratio and mode != "blend":
         raise ValueError(f"only blend takes a ratio ('blend@0.15'), got {text!r}")
@@ -139,6 +144,9 @@ def _read_usage(result: StreamResult, usage) -> None:
     cached = getattr(details, "cached_tokens", None) if details is not None else None
     if cached is not None:
         result.cached_tokens = int(cached)
+    # Server-specific usage fields (kvblend adds usage.kvblend: reused / recomputed token counts) are kept.
+    extra = getattr(usage, "model_extra", None) or {}
+    result.extra.update({k: v for k, v in extra.items() if isinstance(k, str)})
 
 
 async def stream_chat(client, model: str, request: ChatRequest) -> StreamResult:

@@ -196,7 +196,12 @@ class Scheduler:
             _emit(handle, Failed(e))
             return
         _emit(handle, Started(seq.stats))
-        if seq.finished:
+        # start() already sampled the first token: hand it out now rather than after the next batch step,
+        # which would add the prefills of every request admitted in between to this request's TTFT.
+        pending = getattr(seq, "pending", None)
+        while pending:
+            _emit(handle, pending.pop(0))
+        if _done(seq):
             _emit(handle, seq.result())
         else:
             self._active.append(_Active(handle, seq))
@@ -220,7 +225,7 @@ class Scheduler:
         for a, ev in zip(batch, events):
             if ev is not None:
                 _emit(a.handle, ev)
-            if a.seq.finished:
+            if _done(a.seq):
                 _emit(a.handle, a.seq.result())
             else:
                 still.append(a)
@@ -239,6 +244,11 @@ class Scheduler:
                     item.future.set_exception(error)
             else:
                 _emit(item, Failed(error))
+
+
+def _done(seq) -> bool:
+    """Finished and every event handed out (``pending``: events produced by ``start``, see Engine.step)."""
+    return bool(seq.finished) and not getattr(seq, "pending", None)
 
 
 def _emit(handle: Handle, event: Event) -> None:

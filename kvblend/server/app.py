@@ -23,17 +23,20 @@ from kvblend.config import ServerConfig
 from kvblend.server import errors
 from kvblend.server.auth import Authenticator, Principal
 from kvblend.server.backends import Backend, Delta, Final, GenerationJob, build_backends, build_store, document_id
+from kvblend.server.anthropic import anthropic_router
 from kvblend.server.metrics import Metrics
 from kvblend.server.schemas import (
     ChatCompletionRequest, ChunkInfo, ChunksRequest, ChunksResponse, CompletionRequest, Document, ErrorResponse,
     Health, ModelCard, ModelList,
 )
+from kvblend.server.upstream import upstream_for, upstream_health
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ERROR_RESPONSES: dict = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 500, 503)}
-_KNOWN_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/chunks", "/health", "/metrics"}
+_KNOWN_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/chunks", "/v1/messages", "/health",
+                    "/metrics"}
 
 
 class ServerState:
@@ -48,8 +51,9 @@ class ServerState:
         self.auth = Authenticator(config.api_keys)
         self.metrics = Metrics(self.queue_depths, self.store_stats)
 
-    def queue_depths(self) -> dict[str, int]:
-        return {b.id: b.queue_depth() for b in self.by_id.values()}
+    def queue_depths(self) -> dict[str, tuple[int, int]]:
+        """{model: (waiting, active)} for the scrape-time gauges."""
+        return {b.id: (b.queue_depth(), b.active()) for b in self.by_id.values()}
 
     def store_stats(self) -> dict:
         return self.store.stats() if self.store is not None and hasattr(self.store, "stats") else {}
@@ -92,6 +96,7 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
                   description="OpenAI-compatible server with CacheBlend chunk KV reuse.")
     app.state.kvblend = state
     errors.install_error_handlers(app)
+    app.include_router(anthropic_router(state))  # POST /v1/messages (Anthropic-shaped errors of its own)
     app.add_middleware(_RequestMetricsMiddleware, metrics=state.metrics)
     auth = Depends(state.auth)
 
@@ -99,7 +104,9 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
     async def health() -> Any:
         if not state.ready:
             raise errors.unavailable("loading models")
-        return Health(status="ok", models=list(state.by_id))
+        upstreams = await upstream_health(state.by_id.values()) or None  # short timeout, cached briefly
+        degraded = any(not u.get("reachable") for u in (upstreams or {}).values())
+        return Health(status="degraded" if degraded else "ok", models=list(state.by_id), upstreams=upstreams)
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
@@ -109,22 +116,25 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
     async def list_models(_: Principal = auth) -> Any:
         return ModelList(data=[_card(b) for b in state.by_id.values()])
 
-    @app.get("/v1/models/{model_id}", response_model=ModelCard, responses=ERROR_RESPONSES)
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
     async def get_model(model_id: str, _: Principal = auth) -> Any:
         return _card(state.resolve(model_id))
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request, principal: Principal = auth) -> Any:
-        request.state.model = body.model
+        if (upstream := upstream_for(state, body.model)) is not None:  # relayed as is (kvblend/server/upstream.py)
+            return await upstream.forward(request, "/chat/completions", state.metrics)
         _check_common(body)
         backend = state.resolve(body.model)
+        request.state.model = backend.id  # resolved ids only: metric labels stay bounded
         job = _chat_job(body, principal)
         job.max_tokens = body.max_completion_tokens or body.max_tokens
         return await _respond(request, state, backend, job, body.stream, _include_usage(body), _ChatFormat(backend.id))
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request, principal: Principal = auth) -> Any:
-        request.state.model = body.model
+        if (upstream := upstream_for(state, body.model)) is not None:
+            return await upstream.forward(request, "/completions", state.metrics)
         _check_common(body)
         if body.best_of is not None and body.best_of > 1:
             raise errors.invalid_request("best_of > 1 is not supported by this server.", "best_of")
@@ -136,6 +146,7 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
         if isinstance(prompt, list) and not prompt:
             raise errors.invalid_request("prompt must not be empty.", "prompt")
         backend = state.resolve(body.model)
+        request.state.model = backend.id
         job = _sampling_job(body, principal)
         job.prompt = prompt
         echo = prompt if body.echo and isinstance(prompt, str) else ""
@@ -144,8 +155,8 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
 
     @app.post("/v1/chunks", response_model=ChunksResponse, responses=ERROR_RESPONSES)
     async def chunks(body: ChunksRequest, request: Request, principal: Principal = auth) -> Any:
-        request.state.model = body.model or ""
         backend = state.resolve(body.model)
+        request.state.model = backend.id
         docs = [_document(d) for d in body.documents]
         if any(not d.text for d in docs):
             raise errors.invalid_request("documents must have non-empty text.", "documents")
@@ -259,7 +270,9 @@ async def _respond(request: Request, state: ServerState, backend: Backend, job: 
 async def _sse(state: ServerState, backend: Backend, gen, fmt, include_usage: bool, t0: float) -> AsyncIterator[str]:
     first = True
     try:
-        yield _data(fmt.chunk(fmt.opening(), None, include_usage))
+        opening = fmt.opening()
+        if opening is not None:  # chat opens with the assistant role; completions only when echoing
+            yield _data(fmt.chunk(opening, None, include_usage))
         async for ev in gen.events():
             if first:
                 state.metrics.ttft.labels(backend.id).observe(time.perf_counter() - t0)
@@ -335,8 +348,8 @@ class _CompletionFormat:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "system_fingerprint": None}
 
-    def opening(self) -> str:
-        return self.echo
+    def opening(self) -> str | None:
+        return self.echo or None
 
     def delta(self, text: str) -> str:
         return text

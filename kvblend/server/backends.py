@@ -73,6 +73,7 @@ class Backend(Protocol):
     def start(self) -> None: ...  # blocking (loads weights); called once, off the event loop
     def close(self) -> None: ...
     def queue_depth(self) -> int: ...
+    def active(self) -> int: ...  # sequences being generated now
     async def open(self, job: GenerationJob) -> GenerationStream: ...  # raises APIError before any output
     async def precompute(self, documents: list[str], namespace: str) -> list[dict]: ...
 
@@ -126,7 +127,7 @@ def map_engine_error(e: BaseException) -> errors.APIError:
     if isinstance(e, errors.APIError):
         return e
     if hasattr(e, "prompt_tokens") and hasattr(e, "max_context_len"):
-        requested = getattr(e, "requested", None)
+        requested = getattr(e, "requested", None) or getattr(e, "max_tokens", None)  # ours / ContextLengthError
         if requested:
             return errors.invalid_request(
                 f"This model's maximum context length is {e.max_context_len} tokens. However, you requested "
@@ -185,19 +186,20 @@ def _final(result: GenerationResult) -> Final:
 class LocalBackend:
     owned_by = "kvblend"
 
-    def __init__(self, entry: ModelEntry, store, config: ServerConfig):
+    def __init__(self, entry: ModelEntry, store, config: ServerConfig, engine=None):
         self.entry = entry
         self.store = store
         self.config = config
         self.id = entry.id
         self.created = int(time.time())
-        self.engine = None
+        self.engine = engine  # given: tests' stand-in engines; None: built from ``entry`` in start()
         self.scheduler: Scheduler | None = None
 
     def start(self) -> None:
-        from kvblend.engine.engine import create_engine  # heavy (torch); imported when serving only
+        if self.engine is None:
+            from kvblend.engine.engine import create_engine  # heavy (torch); imported when serving only
 
-        self.engine = create_engine(self.entry.engine_config(), self.store)
+            self.engine = create_engine(self.entry.engine_config(), self.store)
         self.id = self.entry.id or self.engine.model_id
         self.scheduler = Scheduler(self.engine, self.config.max_queue, self.config.max_batch,
                                    self.config.retry_after_s, name=self.id).start()
@@ -264,17 +266,9 @@ def document_id(text: str) -> str:
 
 def build_store(cfg: StoreConfig):
     """The configured chunk store, shared by every local model (keys carry the model fingerprint)."""
-    try:
-        from kvblend.store import factory  # the tiered-store module, when this checkout has it
-    except ImportError:
-        factory = None
-    if factory is not None and hasattr(factory, "create_store"):
-        return factory.create_store(cfg)
-    if cfg.tiers != ("memory",):
-        raise ValueError(f"store tiers {cfg.tiers} are not available in this build (memory only)")
-    from kvblend.store.memory import MemoryStore
+    from kvblend.store.factory import create_store
 
-    return MemoryStore()
+    return create_store(cfg)
 
 
 def build_backends(config: ServerConfig, store) -> list[Backend]:
@@ -282,6 +276,10 @@ def build_backends(config: ServerConfig, store) -> list[Backend]:
     for entry in config.models:
         if entry.kind == "local":
             out.append(LocalBackend(entry, store, config))
+        elif entry.kind == "upstream":
+            from kvblend.server.upstream import UpstreamBackend  # imports this module: avoid a cycle
+
+            out.append(UpstreamBackend(entry, config))
         else:
             raise ValueError(f"model {entry.id!r}: backend kind {entry.kind!r} is not implemented yet")
     return out

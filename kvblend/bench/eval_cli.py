@@ -1,0 +1,51 @@
+"""``kvblend eval``: MuSiQue / HotpotQA quality and TTFT per prefill mode, through an OpenAI-style endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvblend.bench.common import add_common_arguments, positive_int, result_paths, write_json
+from kvblend.client.auth import add_endpoint_arguments, endpoints_from_args
+
+DEFAULT_MODES = "full,prefix,reuse,blend@0.15"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_endpoint_arguments(parser, multiple=True)
+    add_common_arguments(parser)
+    parser.set_defaults(max_tokens=32)
+    parser.add_argument("--limit", type=positive_int, default=20, help="examples to evaluate (first N)")
+    parser.add_argument("--modes", default=DEFAULT_MODES,
+                        help="comma list: full, prefix, reuse, blend, blend@R, or default (no override)")
+    parser.add_argument("--docs", type=positive_int, default=None, help="passages per example (default: all)")
+    parser.add_argument("--no-prewarm", action="store_true",
+                        help="skip the untimed request that fills the chunk cache before each example's modes")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvblend.bench.data import load_examples
+    from kvblend.bench.eval import EvalConfig, run_eval, table
+    from kvblend.client.stream import merge_extra_body, parse_mode_list
+
+    cfg = EvalConfig(modes=parse_mode_list(args.modes), max_tokens=args.max_tokens, n_docs=args.docs,
+                     prewarm=not args.no_prewarm, extra_body=merge_extra_body(args.extra_body))
+    endpoints = endpoints_from_args(args)
+    examples = load_examples(args.data, args.limit)
+    if not examples:
+        raise ValueError(f"no examples in {args.data}")
+    report = run_eval(endpoints, examples, cfg, str(args.data))
+    json_path, png_path = result_paths(args.out_dir, "eval")
+    write_json(report, json_path)
+    print(table(report))
+    print(f"wrote {json_path}", file=sys.stderr)
+    if not args.no_plot:
+        from kvblend.bench.plots import plot_quality_vs_ttft
+
+        plot_quality_vs_ttft(report, png_path)
+        print(f"wrote {png_path}", file=sys.stderr)
+    errors = [f"{ep['endpoint']['name']}/{label}: {m['first_error']}" for ep in report["endpoints"]
+              for label, m in ep["modes"].items() if m["errors"]]
+    for line in errors:
+        print(f"errors in {line}", file=sys.stderr)
+    return 1 if errors else 0

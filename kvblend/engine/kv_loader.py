@@ -1,0 +1,124 @@
+"""Layer-by-layer loading of stored chunk KV into a request's buffers, overlapped with compute.
+
+The blender computes layer i while this loader's thread fills layer i+1, ... It calls
+``wait_layer(i)`` right before it needs layer i's stored KV.
+
+    k_pre = torch.empty(layers, kv_heads, T, d, dtype=...)   # pre-RoPE keys of the whole prompt
+    v     = torch.empty_like(k_pre)
+    with LayerwiseLoader([(reader_a, 0), (reader_b, 512)], k_pre, v) as loader:
+        for i in range(layers):
+            loader.wait_layer(i)        # rows of every chunk are filled for layer i
+            ...compute layer i...
+
+A reader failing mid-load (corrupt entry, remote gone) makes ``wait_layer`` raise KVReadError for
+that layer and every later one; the caller falls back to computing those chunks (they were a miss).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from kvblend.store.reader import KVReader, KVReadError
+
+Source = tuple[KVReader, int]  # (reader of one chunk, first destination row of that chunk)
+
+
+def _check_sources(sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tensor) -> None:
+    if k_pre.shape != v.shape or k_pre.dim() != 4:
+        raise ValueError(f"k_pre and v must share one shape [layers, kv_heads, T, d]; got {tuple(k_pre.shape)}, {tuple(v.shape)}")
+    layers, heads, rows, dim = k_pre.shape
+    for reader, off in sources:
+        if (reader.num_layers, reader.kv_heads, reader.head_dim) != (layers, heads, dim) or reader.dtype != k_pre.dtype:
+            raise ValueError(f"reader geometry {(reader.num_layers, reader.kv_heads, reader.head_dim, reader.dtype)} "
+                             f"does not match buffers {(layers, heads, dim, k_pre.dtype)}")
+        if not 0 <= off <= rows - reader.seq_len:
+            raise ValueError(f"chunk rows [{off}, {off + reader.seq_len}) outside the buffer's {rows} rows")
+
+
+def load_layer(sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tensor, layer: int) -> None:
+    """Copy layer ``layer`` of every source into rows [off, off+L) of k_pre / v [layers, kv_heads, T, d]."""
+    for reader, off in sources:
+        rows = slice(off, off + reader.seq_len)
+        reader.read_layer_into(layer, k_pre[layer, :, rows], v[layer, :, rows])
+
+
+def load_sync(sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tensor) -> None:
+    """Everything, on the calling thread (reference for the pipelined path; fallback when not overlapping)."""
+    _check_sources(sources, k_pre, v)
+    for layer in range(k_pre.shape[0]):
+        load_layer(sources, k_pre, v, layer)
+
+
+class LayerwiseLoader:
+    """Fills k_pre / v [layers, kv_heads, T, d] layer by layer on a background thread.
+
+    Contract: after ``wait_layer(i)`` returns, layer i of every source's rows is in place and will
+    not be written again; rows not covered by a source are never touched. The loader does not own the
+    readers' lifetimes unless ``close_readers`` (then ``close()`` closes them).
+    """
+
+    def __init__(self, sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tensor, *,
+                 start: bool = True, close_readers: bool = False):
+        _check_sources(sources, k_pre, v)
+        self.sources, self.k_pre, self.v = list(sources), k_pre, v
+        self.num_layers = k_pre.shape[0]
+        self._ready = [threading.Event() for _ in range(self.num_layers)]
+        self._error: BaseException | None = None
+        self._failed_layer = self.num_layers  # layers >= this one were not loaded
+        self._stop = threading.Event()
+        self._close_readers = close_readers
+        self._thread = threading.Thread(target=self._run, name="kvblend-kv-loader", daemon=True)
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        layer = 0
+        try:
+            for layer in range(self.num_layers):
+                if self._stop.is_set():
+                    raise KVReadError("loader closed before layer was loaded")
+                load_layer(self.sources, self.k_pre, self.v, layer)
+                self._ready[layer].set()
+        except BaseException as e:  # surfaced to the consumer through wait_layer
+            self._error, self._failed_layer = e, layer
+            for ev in self._ready[layer:]:
+                ev.set()  # wake every waiter; they see the error
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        """Block until layer ``layer`` is loaded. Raises KVReadError if it never will be, TimeoutError on timeout."""
+        if not self._ready[layer].wait(timeout):
+            raise TimeoutError(f"layer {layer} not loaded within {timeout}s")
+        if layer >= self._failed_layer:
+            err = self._error
+            if isinstance(err, KVReadError):
+                raise err
+            raise KVReadError(f"loading layer {layer} failed: {err!r}") from err
+
+    def wait_all(self, timeout: float | None = None) -> None:
+        self.wait_layer(self.num_layers - 1, timeout)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def close(self) -> None:
+        """Stop after the layer in flight, join the thread, and close readers if owned. Idempotent."""
+        self._stop.set()
+        if self._thread.is_alive() or self._thread.ident is not None:
+            self._thread.join()
+        if self._close_readers:
+            for reader, _ in self.sources:
+                reader.close()
+            self._close_readers = False
+
+    def __enter__(self) -> "LayerwiseLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

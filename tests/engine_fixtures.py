@@ -1,0 +1,54 @@
+"""Shared helpers for engine tests: real embedded weights, MuSiQue prompts, tiny random-weight models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from kvblend.config import BlendConfig, EngineConfig, ModelConfig
+from kvblend.engine.engine import Engine, create_engine
+
+MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+INSTRUCTION = "Answer the question from the passages. Answer within 5 words.\n\n"
+
+
+@lru_cache(maxsize=None)
+def embedded_engine(dtype: str = "float32") -> Engine:
+    return create_engine(EngineConfig(model=ModelConfig(dtype=dtype, num_threads=2)))
+
+
+def musique_docs(example: int = 0, num_docs: int = 4) -> tuple[list[str], str]:
+    item = json.loads(MUSIQUE.read_text())[example]
+    docs = [f"{c['title']}: {' '.join(c['text'].split())}" for c in item["ctxs"][:num_docs]]
+    return docs, f"Question: {item['question']}\nAnswer within 5 words."
+
+
+def tiny_model_dir(tmp: Path, model_type: str = "llama", rope_scaling: dict | None = None) -> Path:
+    """A random-weight model of ``model_type`` with the embedded model's tokenizer (so chat templates
+    and segments work); small enough to build in a second."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = embedded_engine("float32").loaded.model_dir
+    kwargs = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    if rope_scaling is not None:
+        kwargs["rope_parameters"] = rope_scaling
+    cfg = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.float32)
+    out = tmp / f"tiny-{model_type}"
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (base / name).exists():
+            shutil.copy(base / name, out / name)
+    return out
+
+
+def tiny_engine(model_dir: Path, **blend) -> Engine:
+    return create_engine(EngineConfig(model=ModelConfig(model=str(model_dir), dtype="float32"),
+                                      blend=BlendConfig(**blend)))

@@ -1,0 +1,34 @@
+"""Qwen2 on real weights (Qwen2.5-Coder-0.5B-Instruct Q4_K_M, fetched by `make qwen`): slow, so few."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_fixtures import INSTRUCTION, musique_docs
+from kvblend.config import EngineConfig, ModelConfig
+from kvblend.engine.engine import create_engine
+from kvblend.engine.request import GenerationRequest, SamplingParams
+
+QWEN = Path(os.path.expanduser("~/.cache/kvblend/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not QWEN.is_file(), reason=f"{QWEN} missing: run `make qwen`")]
+
+
+def test_qwen2_blend_one_equals_full_and_greedy_matches_transformers():
+    engine = create_engine(EngineConfig(model=ModelConfig(model=str(QWEN), dtype="float32", num_threads=2)))
+    assert engine.loaded.model_type == "qwen2"
+    docs, question = musique_docs(1, 3)
+    segs = engine.segments(docs[::-1], question, instruction=INSTRUCTION)
+    full = engine.run(GenerationRequest(segs, SamplingParams(max_tokens=8, ignore_eos=True), mode="full"))
+    engine.precompute(segs.chunk_ids)
+    blend = engine.run(GenerationRequest(segs, SamplingParams(max_tokens=1), mode="blend", recompute_ratio=1.0))
+    assert (blend.first_token_logits - full.first_token_logits).abs().max().item() <= 1e-3
+    ids = torch.tensor([segs.token_ids])
+    hf = engine.loaded.hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                         do_sample=False, min_new_tokens=8)
+    assert full.token_ids == hf[0, ids.shape[1]:].tolist()
