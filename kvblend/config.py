@@ -91,6 +91,8 @@ class EngineConfig:
     # Chunks are prefilled behind this fixed context (its KV dropped) so their first token is not
     # an attention sink. None: the chat template's opening, i.e. the prompt prefix up to the user turn.
     chunk_context: str | None = None
+    # Load stored KV layer by layer on a thread while earlier layers compute (False: load all first).
+    pipeline_loads: bool = True
 
 
 STORE_TIERS = ("memory", "disk", "redis")

@@ -25,7 +25,9 @@ from kvblend.engine.request import (GenerationRequest, GenerationResult, Prefill
 from kvblend.engine.sampler import create_generator, sample
 from kvblend.models.loader import EMBEDDED_MODEL_ID, LoadedModel, load_model
 from kvblend.models.transformer import TransformerOps
+from kvblend.engine.kv_loader import LayerwiseLoader, load_sync
 from kvblend.store.base import ChunkKV, KVStore
+from kvblend.store.reader import KVReadError, KVReader, TensorReader
 from kvblend.store.key import make_chunk_key, make_prefix_key
 from kvblend.store.memory import MemoryStore
 
@@ -44,8 +46,12 @@ class ContextLengthError(ValueError):
 @dataclass
 class _StoredSegment:
     row_start: int
-    kv: ChunkKV
+    reader: KVReader  # layer-by-layer access to the segment's stored KV
     is_hit: bool  # found in the store at request start (vs computed alone during this request)
+
+    @property
+    def seq_len(self) -> int:
+        return self.reader.seq_len
 
 
 class Sequence:
@@ -162,12 +168,24 @@ class Engine:
         max_new = request.sampling.max_tokens
         if num_tokens + max_new > self.max_context_len:
             raise ContextLengthError(num_tokens, max_new, self.max_context_len)
-        stats = PrefillStats(mode=mode, recompute_ratio=ratio if mode == "blend" else (1.0 if mode in ("full", "prefix") else 0.0),
-                             prompt_tokens=num_tokens)
-        plan, stored, to_store = self._plan(segs, mode, ratio, request.namespace, stats)
-        t_loaded = time.perf_counter()
         cache = KVCache.allocate(self.ops, num_tokens + max_new)
-        out = run_prefill(self.ops, plan, cache)
+        for attempt in range(2):
+            stats = PrefillStats(mode=mode, recompute_ratio=ratio if mode == "blend" else (0.0 if mode == "reuse" else 1.0),
+                                 prompt_tokens=num_tokens)
+            plan, stored, to_store, loader = self._plan(segs, mode, ratio, request.namespace, stats)
+            t_loaded = time.perf_counter()
+            try:
+                out = run_prefill(self.ops, plan, cache)
+                break
+            except KVReadError as e:  # an entry went bad mid-read: it is gone now, so plan again
+                log.warning("stored KV failed while loading (%s); recomputing the affected segments", e)
+                if attempt == 1:
+                    raise
+            finally:
+                if loader is not None:
+                    loader.close()
+                for seg in stored:
+                    seg.reader.close()
         self._account(stats, stored, out.recomputed_rows, num_tokens)
         for key, start, end in to_store:  # exact-context segments: reusable by later prefix hits
             self.store.put(key, ChunkKV(out.fresh_k[:, :, start:end].clone(), out.fresh_v[:, :, start:end].clone()))
@@ -182,9 +200,11 @@ class Engine:
             seq.pending.append(event)
         return seq
 
-    def _plan(self, segs: Segments, mode: str, ratio: float, namespace: str,
-              stats: PrefillStats) -> tuple[PrefillPlan, list[_StoredSegment], list[tuple[str, int, int]]]:
-        """Look segments up in the store for ``mode`` and build the layer-loop plan."""
+    def _plan(self, segs: Segments, mode: str, ratio: float, namespace: str, stats: PrefillStats):
+        """Look segments up in the store for ``mode`` and build the layer-loop plan.
+
+        Returns (plan, stored segments, [(prefix key, row start, row end)] to store after the
+        prefill, the loader filling the plan's stored rows layer by layer or None)."""
         ids = torch.tensor(segs.token_ids, dtype=torch.long)
         num_tokens = ids.numel()
         stats.chunks_total = len(segs.chunk_ids)
@@ -195,16 +215,18 @@ class Engine:
         else:
             stored, to_store = self._lookup_chunks(segs, namespace, stats)
         stored_mask = torch.zeros(num_tokens, dtype=torch.bool)
-        stored_k = stored_v = None
+        stored_k = stored_v = loader = None
         if stored:
             shape = (self.ops.num_layers, self.ops.num_kv_heads, num_tokens, self.ops.head_dim)
             stored_k = torch.empty(shape, dtype=self.ops.dtype, device=self.ops.device)
             stored_v = torch.empty(shape, dtype=self.ops.dtype, device=self.ops.device)
-            for seg in stored:  # [L, Hkv, len, d] slices into the assembled buffers
-                end = seg.row_start + seg.kv.seq_len
-                stored_k[:, :, seg.row_start:end] = seg.kv.k
-                stored_v[:, :, seg.row_start:end] = seg.kv.v
-                stored_mask[seg.row_start:end] = True
+            sources = [(seg.reader, seg.row_start) for seg in stored]
+            for seg in stored:
+                stored_mask[seg.row_start:seg.row_start + seg.seq_len] = True
+            if self.config.pipeline_loads:  # layer i+1 loads while layer i computes
+                loader = LayerwiseLoader(sources, stored_k, stored_v)
+            else:
+                load_sync(sources, stored_k, stored_v)
         prefix_len = len(segs.prefix_ids)
         if mode == "blend":
             # Stored prefix rows are exact (same content, same positions): never recomputed.
@@ -220,8 +242,8 @@ class Engine:
             # The last row's logits are the first token: it is always computed.
             active = torch.unique(torch.cat([active, torch.tensor([num_tokens - 1])]))
         plan = PrefillPlan(ids, stored_k, stored_v, stored_mask, active, layers, keep,
-                           self.config.blend.deviation)
-        return plan, stored, to_store
+                           self.config.blend.deviation, loader.wait_layer if loader else None)
+        return plan, stored, to_store, loader
 
     def _check_schedule(self, ratio: float, num_chunk_rows: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Check layers and how many chunk rows each keeps. Gradual filtering: the configured ratios,
@@ -243,9 +265,9 @@ class Engine:
                 break
             key = make_prefix_key(self.fingerprint, parent, seg_ids, namespace)
             parent = key
-            kv = self.store.get(key) if hit else None
-            if kv is not None and kv.seq_len == len(seg_ids):
-                stored.append(_StoredSegment(row, kv, True))
+            reader = self._open(key, len(seg_ids)) if hit else None
+            if reader is not None:
+                stored.append(_StoredSegment(row, reader, True))
             else:
                 hit = False
                 to_store.append((key, row, row + len(seg_ids)))
@@ -258,23 +280,36 @@ class Engine:
         stored, to_store, row = [], [], 0
         if segs.prefix_ids:
             key = make_prefix_key(self.fingerprint, None, segs.prefix_ids, namespace)
-            kv = self.store.get(key)
-            if kv is not None and kv.seq_len == len(segs.prefix_ids):
-                stored.append(_StoredSegment(0, kv, True))
+            reader = self._open(key, len(segs.prefix_ids))
+            if reader is not None:
+                stored.append(_StoredSegment(0, reader, True))
             else:
                 to_store.append((key, 0, len(segs.prefix_ids)))
             row = len(segs.prefix_ids)
         for chunk_ids in segs.chunk_ids:
             key = self.chunk_key(chunk_ids, namespace)
-            kv = self.store.get(key)
-            hit = kv is not None and kv.seq_len == len(chunk_ids)
+            reader = self._open(key, len(chunk_ids))
+            hit = reader is not None
             if not hit:
                 kv = self._compute_chunk(chunk_ids)
                 self.store.put(key, kv)
+                reader = TensorReader(kv)
             stats.chunks_hit += int(hit)
-            stored.append(_StoredSegment(row, kv, hit))
+            stored.append(_StoredSegment(row, reader, hit))
             row += len(chunk_ids)
         return stored, to_store
+
+    def _open(self, key: str, num_tokens: int) -> KVReader | None:
+        """A reader for ``key`` if stored with the expected geometry; anything else is a miss."""
+        reader = self.store.open(key)
+        if reader is None:
+            return None
+        ops = self.ops
+        if (reader.seq_len, reader.num_layers, reader.kv_heads, reader.head_dim, reader.dtype) != \
+                (num_tokens, ops.num_layers, ops.num_kv_heads, ops.head_dim, ops.dtype):
+            reader.close()
+            return None
+        return reader
 
     @staticmethod
     def _account(stats: PrefillStats, stored: list[_StoredSegment], recomputed_rows: torch.Tensor,
@@ -282,7 +317,7 @@ class Engine:
         hit_mask = torch.zeros(num_tokens, dtype=torch.bool)
         for seg in stored:
             if seg.is_hit:
-                hit_mask[seg.row_start:seg.row_start + seg.kv.seq_len] = True
+                hit_mask[seg.row_start:seg.row_start + seg.seq_len] = True
         num_hit = int(hit_mask.sum())
         stats.recomputed_tokens = int(hit_mask[recomputed_rows].sum()) if recomputed_rows.numel() else 0
         stats.reused_tokens = num_hit - stats.recomputed_tokens

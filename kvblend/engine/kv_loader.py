@@ -79,12 +79,14 @@ class LayerwiseLoader:
 
     def _run(self) -> None:
         layer = 0
+        # Inference mode is thread-local: buffers allocated under it can only be written under it.
         try:
-            for layer in range(self.num_layers):
-                if self._stop.is_set():
-                    raise KVReadError("loader closed before layer was loaded")
-                load_layer(self.sources, self.k_pre, self.v, layer)
-                self._ready[layer].set()
+            with torch.inference_mode(torch.is_inference(self.k_pre)):
+                for layer in range(self.num_layers):
+                    if self._stop.is_set():
+                        raise KVReadError("loader closed before layer was loaded")
+                    load_layer(self.sources, self.k_pre, self.v, layer)
+                    self._ready[layer].set()
         except BaseException as e:  # surfaced to the consumer through wait_layer
             self._error, self._failed_layer = e, layer
             for ev in self._ready[layer:]:
