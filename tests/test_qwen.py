@@ -24,11 +24,12 @@ def test_qwen2_blend_one_equals_full_and_greedy_matches_transformers():
     assert engine.loaded.model_type == "qwen2"
     docs, question = musique_docs(1, 3)
     segs = engine.segments(docs[::-1], question, instruction=INSTRUCTION)
-    full = engine.run(GenerationRequest(segs, SamplingParams(max_tokens=8, ignore_eos=True), mode="full"))
+    full = engine.run(GenerationRequest(segs, SamplingParams(max_tokens=8), mode="full"))
     engine.precompute(segs.chunk_ids)
     blend = engine.run(GenerationRequest(segs, SamplingParams(max_tokens=1), mode="blend", recompute_ratio=1.0))
     assert (blend.first_token_logits - full.first_token_logits).abs().max().item() <= 1e-3
     ids = torch.tensor([segs.token_ids])
-    hf = engine.loaded.hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                                         do_sample=False, min_new_tokens=8)
-    assert full.token_ids == hf[0, ids.shape[1]:].tolist()
+    hf = engine.loaded.hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    hf_ids = hf[0, ids.shape[1]:].tolist()
+    hf_ids = [t for t in hf_ids[: next((i for i, t in enumerate(hf_ids) if t in engine.eos_ids), len(hf_ids))]]
+    assert full.token_ids == hf_ids

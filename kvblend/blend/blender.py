@@ -123,8 +123,8 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
         else:
             if blocks is None or keep is not None:
                 blocks = row_blocks(active)
-            attn = torch.cat([ops.attend(q[:, blk.rows], cache.k[layer, :, :blk.num_keys],
-                                         cache.v[layer, :, :blk.num_keys], blk.mask) for blk in blocks])
+            attn = torch.cat([ops.attend_block(q[:, blk.rows], cache.k[layer, :, :blk.num_keys],
+                                               cache.v[layer, :, :blk.num_keys], blk) for blk in blocks])
         h = ops.finish_layer(layer, h, attn)
     cache.length = T
     last_logits = ops.logits(h[-1:])[0]
@@ -133,9 +133,32 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
 
 @dataclass
 class RowBlock:
-    rows: slice  # a run of active rows (local indices), sorted by position
-    num_keys: int  # keys [0, num_keys) cover every position these rows may see
-    mask: torch.Tensor  # [len(rows), num_keys] bool, exact causal by absolute position
+    """A run of active rows (sorted by position) attending keys [0, num_keys).
+
+    Keys [0, split) precede every row of the block, so they need no mask; only the tail
+    [split, num_keys) is masked, exactly causal by absolute position."""
+
+    rows: slice  # local indices into the active rows
+    split: int
+    num_keys: int
+    tail_mask: torch.Tensor  # [len(rows), num_keys - split] bool, True = may attend
+    _float_masks: dict = field(default_factory=dict)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The full [len(rows), num_keys] bool mask (reference path and tests)."""
+        head = torch.ones(self.tail_mask.shape[0], self.split, dtype=torch.bool, device=self.tail_mask.device)
+        return torch.cat([head, self.tail_mask], dim=1)
+
+    def float_tail_mask(self, repeat: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive tail mask with rows tiled ``repeat`` times ([repeat*S, n]), for grouped-query attention
+        that stacks a KV head's query heads as extra rows. Built once per block, reused by every layer."""
+        key = (repeat, dtype)
+        if key not in self._float_masks:
+            m = torch.zeros(self.tail_mask.shape, dtype=dtype, device=self.tail_mask.device)
+            m.masked_fill_(~self.tail_mask, float("-inf"))
+            self._float_masks[key] = m.repeat(repeat, 1)
+        return self._float_masks[key]
 
 
 def row_blocks(active: torch.Tensor, max_blocks: int = 8, min_rows: int = 64) -> list[RowBlock]:
@@ -150,8 +173,9 @@ def row_blocks(active: torch.Tensor, max_blocks: int = 8, min_rows: int = 64) ->
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         if hi <= lo:
             continue
-        num_keys = int(active[hi - 1]) + 1
-        blocks.append(RowBlock(slice(lo, hi), num_keys, causal_mask(active[lo:hi], num_keys)))
+        split, num_keys = int(active[lo]), int(active[hi - 1]) + 1
+        tail = causal_mask(active[lo:hi], num_keys)[:, split:]
+        blocks.append(RowBlock(slice(lo, hi), split, num_keys, tail))
     return blocks
 
 

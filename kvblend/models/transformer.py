@@ -67,6 +67,29 @@ class TransformerOps:
                                                  scale=self.scaling, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
+    def attend_block(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block) -> torch.Tensor:
+        """q [Hq, S, d] of one row block over k, v [Hkv, num_keys, d] -> [S, Hq * d].
+
+        On CPU the unmasked head [0, split) and the masked tail run as two flash-attention calls merged
+        by their log-sum-exp: the masked kernel is several times slower per score than the plain one.
+        Query heads sharing a KV head are stacked as rows, so K/V are never repeated in memory."""
+        if q.device.type != "cpu":
+            return self.attend(q, k, v, block.mask)
+        num_rows, rep, d = q.shape[1], self.num_heads // self.num_kv_heads, self.head_dim
+        qg = q.reshape(self.num_kv_heads, rep * num_rows, d)[None]  # [1, Hkv, rep*S, d]
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        tail_mask = block.float_tail_mask(rep, q.dtype)
+        out, lse = flash(qg, k[None, :, block.split:], v[None, :, block.split:], 0.0, False,
+                         attn_mask=tail_mask, scale=self.scaling)
+        if block.split > 0:
+            head_out, head_lse = flash(qg, k[None, :, :block.split], v[None, :, :block.split], 0.0, False,
+                                       scale=self.scaling)
+            m = torch.maximum(lse, head_lse)
+            w_tail, w_head = torch.exp(lse - m)[..., None], torch.exp(head_lse - m)[..., None]
+            out = ((out.float() * w_tail + head_out.float() * w_head) / (w_tail + w_head)).to(q.dtype)
+        # [1, Hkv, rep*S, d] -> [Hq, S, d] -> [S, Hq*d]
+        return out[0].reshape(self.num_heads, num_rows, d).transpose(0, 1).reshape(num_rows, -1)
+
     def finish_layer(self, layer_idx: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj, then residual + MLP. h, attn_out: [S, D] / [S, Hq*d] -> [S, D]."""
         layer = self.layers[layer_idx]
