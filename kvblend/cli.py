@@ -7,9 +7,10 @@ stays fast; user-facing failures raise ``CLIError`` or ``ValueError`` and print 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
+
+from kvblend.cli_registry import add_command_parsers
 
 # (command, module, help). The module defines `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: list[tuple[str, str, str]] = [
@@ -30,17 +31,7 @@ class CLIError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvblend", description="CacheBlend KV reuse for RAG serving.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module, help_text in COMMANDS:
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name and e.name.startswith("kvblend"):
-                continue  # command not built yet in this checkout
-            raise
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+    add_command_parsers(parser.add_subparsers(dest="command", metavar="COMMAND"), COMMANDS, "_run")
     return parser
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib
+
+from kvblend.cli_registry import add_command_parsers
 
 BENCHES = [
     ("engine", "kvblend.bench.engine_bench", "in-process TTFT + quality of full / prefix / reuse / blend on MuSiQue"),
@@ -14,17 +15,7 @@ BENCHES = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench", metavar="BENCH")
-    for name, module, help_text in BENCHES:
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name and e.name.startswith("kvblend"):
-                continue
-            raise
-        mod.add_arguments(p)
-        p.set_defaults(_bench_run=mod.run)
+    add_command_parsers(parser.add_subparsers(dest="bench", metavar="BENCH"), BENCHES, "_bench_run")
 
 
 def run(args) -> int:

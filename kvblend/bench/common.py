@@ -56,6 +56,17 @@ def write_json(report: dict, path: Path) -> None:
     path.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
 
 
+def publish(report: dict, kind: str, out_dir: Path, table_text: str, plot, no_plot: bool) -> None:
+    """Write ``report`` as JSON, print its Markdown table, and draw its PNG with ``plot(report, path)``."""
+    json_path, png_path = result_paths(out_dir, kind)
+    write_json(report, json_path)
+    print(table_text)
+    print(f"wrote {json_path}", file=sys.stderr)
+    if not no_plot:
+        plot(report, png_path)
+        print(f"wrote {png_path}", file=sys.stderr)
+
+
 def report_header(kind: str, config: dict) -> dict:
     return {"kind": kind, "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "unix_time": time.time(), "config": config}

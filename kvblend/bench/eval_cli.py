@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvblend.bench.common import add_common_arguments, positive_int, result_paths, write_json
+from kvblend.bench.common import add_common_arguments, positive_int, publish
 from kvblend.client.auth import add_endpoint_arguments, endpoints_from_args
 
 DEFAULT_MODES = "full,prefix,reuse,blend@0.15"
@@ -35,15 +35,9 @@ def run(args: argparse.Namespace) -> int:
     if not examples:
         raise ValueError(f"no examples in {args.data}")
     report = run_eval(endpoints, examples, cfg, str(args.data))
-    json_path, png_path = result_paths(args.out_dir, "eval")
-    write_json(report, json_path)
-    print(table(report))
-    print(f"wrote {json_path}", file=sys.stderr)
-    if not args.no_plot:
-        from kvblend.bench.plots import plot_quality_vs_ttft
+    from kvblend.bench.plots import plot_quality_vs_ttft
 
-        plot_quality_vs_ttft(report, png_path)
-        print(f"wrote {png_path}", file=sys.stderr)
+    publish(report, "eval", args.out_dir, table(report), plot_quality_vs_ttft, args.no_plot)
     errors = [f"{ep['endpoint']['name']}/{label}: {m['first_error']}" for ep in report["endpoints"]
               for label, m in ep["modes"].items() if m["errors"]]
     for line in errors:

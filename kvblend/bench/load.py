@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 from dataclasses import dataclass, field
 
 from kvblend.bench.common import (add_common_arguments, make_progress, markdown_table, ms, positive_int,
-                                  report_header, result_paths, write_json)
+                                  publish, report_header)
 from kvblend.bench.data import DEFAULT_INSTRUCTION, build_prompt, document_pool, load_examples, questions, user_messages
 from kvblend.bench.metrics import summarize
 from kvblend.client.auth import Endpoint, add_endpoint_arguments, endpoints_from_args
@@ -254,13 +253,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.data} has {len(pool)} distinct passages, fewer than --pool {cfg.pool_docs}")
     report = run_load(endpoints, pool[: cfg.pool_docs], questions(examples, args.seed), cfg)
     report["config"]["data"] = str(args.data)
-    json_path, png_path = result_paths(args.out_dir, "load")
-    write_json(report, json_path)
-    print(table(report))
-    print(f"wrote {json_path}", file=sys.stderr)
-    if not args.no_plot:
-        from kvblend.bench.plots import plot_load
+    from kvblend.bench.plots import plot_load
 
-        plot_load(report, png_path)
-        print(f"wrote {png_path}", file=sys.stderr)
+    publish(report, "load", args.out_dir, table(report), plot_load, args.no_plot)
     return 0

@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: the loader is one thread beside compute; "
                              "more threads on a busy box mostly add noise)")
+    parser.add_argument("--e2e", action="store_true",
+                        help="also time blend@0.15 TTFT on the embedded model with the KV in each tier, "
+                             "with and without layer-by-layer pipelining")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
 
 
@@ -200,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             for s in stores.values():
                 s.close()
+        e2e_rows = measure_e2e(tiers, disk_dir, redis_url, args.repeats) if args.e2e else []
     finally:
         if server is not None:
             server.stop()
@@ -210,10 +214,59 @@ def run(args: argparse.Namespace) -> int:
                     "shape": [args.layers, args.kv_heads, "L", args.head_dim], "dtype": "bfloat16"},
         "torch_threads": torch.get_num_threads(), "repeats": args.repeats, "cpu_count": os.cpu_count(),
         "loadavg_1m": os.getloadavg()[0], "disk_note": "disk = hot page cache; disk_cold = pages dropped (fadvise)",
-        "rows": rows,
+        "rows": rows, "e2e": e2e_rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(markdown(rows, total))
+    if e2e_rows:
+        print(markdown_e2e(e2e_rows))
     print(f"\nwrote {args.out}")
     return 0
+
+
+def measure_e2e(tiers: tuple[str, ...], disk_dir, redis_url, repeats: int, ratio: float = 0.15) -> list[dict]:
+    """Blend TTFT on a real MuSiQue example with its chunk KV (real, from the embedded model) in each tier."""
+    import shutil
+
+    from kvblend.bench.data import DEFAULT_INSTRUCTION, load_musique
+    from kvblend.config import EngineConfig, ModelConfig
+    from kvblend.engine.engine import create_engine
+    from kvblend.engine.request import GenerationRequest, SamplingParams
+    from kvblend.store.memory import MemoryStore
+
+    engine = create_engine(EngineConfig(model=ModelConfig(dtype="bfloat16")), MemoryStore())
+    ex = load_musique(limit=1)[0]
+    segs = engine.segments(ex.passages, f"Question: {ex.question}", instruction=DEFAULT_INSTRUCTION + "\n\n")
+    request = GenerationRequest(segs, SamplingParams(max_tokens=1), mode="blend", recompute_ratio=ratio)
+    engine.run(request)  # computes and stores every chunk and the prefix
+    chunks = {key: engine.store.get(key) for key, _ in engine.store.entries()}
+    if disk_dir is not None:  # a fresh directory for the real chunks
+        disk_dir = Path(disk_dir) / "e2e"
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    stores = tier_stores_for_bench(chunks, tiers, disk_dir=disk_dir, redis_url=redis_url)
+    rows = []
+    try:
+        for name, store in stores.items():
+            engine.store = store
+            for pipelined in (True, False):
+                engine.config.pipeline_loads = pipelined
+                engine.run(request)  # warm-up (page cache, connections)
+                ttfts = [engine.run(request).stats.ttft_ms for _ in range(repeats)]
+                rows.append({"tier": name, "pipelined": pipelined, "prompt_tokens": segs.num_tokens,
+                             "ttft_ms": round(statistics.median(ttfts), 2)})
+    finally:
+        for s in stores.values():
+            s.close()
+    base = next((r["ttft_ms"] for r in rows if r["tier"] == "memory" and r["pipelined"]), None)
+    for r in rows:
+        r["vs_memory_pipelined"] = round(r["ttft_ms"] / base, 3) if base else None
+    return rows
+
+
+def markdown_e2e(rows: list[dict]) -> str:
+    lines = ["", f"blend@0.15 TTFT, embedded model (bf16), {rows[0]['prompt_tokens']} prompt tokens, KV in each tier:",
+             "", "| tier | pipelined | median TTFT (ms) | vs memory (pipelined) |", "|---|---|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['tier']} | {'yes' if r['pipelined'] else 'no'} | {r['ttft_ms']:.1f} | {r['vs_memory_pipelined']:.2f}x |")
+    return "\n".join(lines)

@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from kvblend.bench.common import (add_common_arguments, make_progress, markdown_table, ms, positive_int,
-                                  report_header, result_paths, write_json)
+                                  publish, report_header)
 from kvblend.bench.data import DEFAULT_INSTRUCTION, build_prompt, document_pool, load_examples, questions, user_messages
 from kvblend.bench.metrics import summarize
 from kvblend.client.auth import Endpoint, add_endpoint_arguments, endpoints_from_args
@@ -194,15 +194,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.data} has {len(docs)} distinct passages, fewer than --docs {cfg.n_docs}")
     report = run_ttft(endpoints, docs[: cfg.n_docs], questions(examples, args.seed), cfg)
     report["config"]["data"] = str(args.data)
-    json_path, png_path = result_paths(args.out_dir, "ttft")
-    write_json(report, json_path)
-    print(table(report))
-    print(f"wrote {json_path}", file=sys.stderr)
-    if not args.no_plot:
-        from kvblend.bench.plots import plot_ttft
+    from kvblend.bench.plots import plot_ttft
 
-        plot_ttft(report, png_path)
-        print(f"wrote {png_path}", file=sys.stderr)
+    publish(report, "ttft", args.out_dir, table(report), plot_ttft, args.no_plot)
     failed = [f"{ep['endpoint']['name']}/{n}: {s['first_error']}" for ep in report["endpoints"]
               for n, s in ep["scenarios"].items() if s["errors"]]
     for line in failed:

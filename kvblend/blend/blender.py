@@ -58,7 +58,7 @@ class PrefillPlan:
 
     token_ids: torch.Tensor  # [T] long
     stored_k: torch.Tensor | None  # [L, Hkv, T, d] pre-RoPE keys; valid where stored_mask
-    stored_v: torch.Tensor | None  # [L, Hkv, T, d]
+    stored_v: torch.Tensor | None  # [L, Hkv, T, d]; ideally a view of the cache's V rows (no copy)
     stored_mask: torch.Tensor  # [T] bool
     active_rows: torch.Tensor  # [A] long, rows computed from layer 0
     check_layers: tuple[int, ...] = ()
@@ -88,7 +88,7 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
         raise ValueError(f"cache capacity {cache.capacity} < prompt length {T}")
     positions = torch.arange(T, device=ops.device)
     cos, sin = ops.rope_cos_sin(positions)  # [T, d]
-    k_pre, v_all = _working_buffers(ops, plan)  # [L, Hkv, T, d] each
+    k_pre, v_all = _working_buffers(ops, plan, cache)  # [L, Hkv, T, d] each; v_all is the cache's V
     active = plan.active_rows.to(ops.device)
     all_rows = active.numel() == T  # plain causal attention, no stored rows read this layer
     has_stored = bool(plan.stored_mask.any())
@@ -112,7 +112,6 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
             cache.k[layer, :, :T] = apply_rope(k, cos, sin)
         else:
             cache.k[layer, :, :T] = apply_rope(k_pre[layer], cos, sin)
-        cache.v[layer, :, :T] = v_all[layer]
         if keep is not None:  # shrink to the selected rows from this layer's attention on
             q, h, active = q[:, keep], h[keep], active[keep]
             recomputed = active[plan.stored_mask[active.cpu()]].cpu()
@@ -142,6 +141,9 @@ class RowBlock:
     split: int
     num_keys: int
     tail_mask: torch.Tensor  # [len(rows), num_keys - split] bool, True = may attend
+    # Rows at consecutive positions split..num_keys-1: the tail is a square causal block, which a
+    # causal kernel computes without a mask (prefix mode's suffix, the query run).
+    contiguous: bool = False
     _float_masks: dict = field(default_factory=dict)
 
     @property
@@ -161,31 +163,39 @@ class RowBlock:
         return self._float_masks[key]
 
 
-def row_blocks(active: torch.Tensor, max_blocks: int = 8, min_rows: int = 64) -> list[RowBlock]:
+def row_blocks(active: torch.Tensor, max_blocks: int = 4, min_rows: int = 64) -> list[RowBlock]:
     """Split sorted active rows into blocks that only attend keys up to their own last position.
 
     A single block over all keys would compute (and mask away) every score above the diagonal;
-    blocking recovers most of what a causal kernel skips (work ~ S*T/2 instead of S*T)."""
+    blocking recovers part of what a causal kernel skips. More than a few blocks costs more in
+    per-call overhead than it saves (measured on 2 cores). A contiguous run stays one block."""
     num_rows = active.numel()
-    num_blocks = max(1, min(max_blocks, num_rows // min_rows))
+    contiguous = int(active[-1]) - int(active[0]) == num_rows - 1
+    num_blocks = 1 if contiguous else max(1, min(max_blocks, num_rows // min_rows))
     bounds = [round(i * num_rows / num_blocks) for i in range(num_blocks + 1)]
     blocks = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         if hi <= lo:
             continue
         split, num_keys = int(active[lo]), int(active[hi - 1]) + 1
-        tail = causal_mask(active[lo:hi], num_keys)[:, split:]
-        blocks.append(RowBlock(slice(lo, hi), split, num_keys, tail))
+        tail = causal_mask(active[lo:hi], num_keys, first_key=split)
+        blocks.append(RowBlock(slice(lo, hi), split, num_keys, tail, contiguous=num_keys - split == hi - lo))
     return blocks
 
 
-def _working_buffers(ops: TransformerOps, plan: PrefillPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pre-RoPE K and V buffers [L, Hkv, T, d], stored rows in place (fresh rows written per layer)."""
+def _working_buffers(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-RoPE K [L, Hkv, T, d] (stored rows in place, fresh rows written per layer) and V, which is
+    the cache's own V rows: values need no rotation, so they are loaded and written there directly."""
+    T = plan.num_tokens
+    v_all = cache.v[:, :, :T]
+    if plan.stored_v is not None and plan.stored_v.data_ptr() != v_all.data_ptr():
+        if plan.wait_layer is not None:
+            raise ValueError("a pipelined plan must load stored V into the cache's V rows")
+        v_all.copy_(plan.stored_v)
     if plan.stored_k is not None:
-        return plan.stored_k, plan.stored_v
-    shape = (ops.num_layers, ops.num_kv_heads, plan.num_tokens, ops.head_dim)
-    return (torch.empty(shape, dtype=ops.dtype, device=ops.device),
-            torch.empty(shape, dtype=ops.dtype, device=ops.device))
+        return plan.stored_k, v_all
+    shape = (ops.num_layers, ops.num_kv_heads, T, ops.head_dim)
+    return torch.empty(shape, dtype=ops.dtype, device=ops.device), v_all
 
 
 def _check_rows(plan: PrefillPlan, active: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

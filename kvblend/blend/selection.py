@@ -44,10 +44,10 @@ def select_top_tokens(deviation: torch.Tensor, num_keep: int) -> torch.Tensor:
     return torch.topk(deviation, num_keep, sorted=False).indices.sort().values
 
 
-def causal_mask(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+def causal_mask(query_positions: torch.Tensor, num_keys: int, first_key: int = 0) -> torch.Tensor:
     """Exact causal mask by absolute position: a query at position p sees keys at positions <= p.
 
-    query_positions [S] -> bool [S, num_keys]. (Not the bottom-right approximation, which lets a
-    selected early token see later keys.)"""
-    key_positions = torch.arange(num_keys, device=query_positions.device)
+    query_positions [S] -> bool [S, num_keys - first_key] over keys first_key..num_keys-1. (Not the
+    bottom-right approximation, which lets a selected early token see later keys.)"""
+    key_positions = torch.arange(first_key, num_keys, device=query_positions.device)
     return key_positions[None, :] <= query_positions[:, None]

@@ -20,7 +20,7 @@ from kvblend.blend.segmenter import (CHUNK_SEPARATOR, Segments, build_segments, 
                                      encode, render_template_halves, split_plain_text)
 from kvblend.blend.selection import num_to_keep
 from kvblend.config import EngineConfig, validate_mode, validate_ratio
-from kvblend.engine.request import (GenerationRequest, GenerationResult, PrefillStats, SamplingParams,
+from kvblend.engine.request import (GenerationRequest, GenerationResult, PrefillStats,
                                     TokenEvent)
 from kvblend.engine.sampler import create_generator, sample
 from kvblend.models.loader import EMBEDDED_MODEL_ID, LoadedModel, load_model
@@ -172,7 +172,7 @@ class Engine:
         for attempt in range(2):
             stats = PrefillStats(mode=mode, recompute_ratio=ratio if mode == "blend" else (0.0 if mode == "reuse" else 1.0),
                                  prompt_tokens=num_tokens)
-            plan, stored, to_store, loader = self._plan(segs, mode, ratio, request.namespace, stats)
+            plan, stored, to_store, loader = self._plan(segs, mode, ratio, request.namespace, stats, cache)
             t_loaded = time.perf_counter()
             try:
                 out = run_prefill(self.ops, plan, cache)
@@ -200,7 +200,8 @@ class Engine:
             seq.pending.append(event)
         return seq
 
-    def _plan(self, segs: Segments, mode: str, ratio: float, namespace: str, stats: PrefillStats):
+    def _plan(self, segs: Segments, mode: str, ratio: float, namespace: str, stats: PrefillStats,
+              cache: KVCache):
         """Look segments up in the store for ``mode`` and build the layer-loop plan.
 
         Returns (plan, stored segments, [(prefix key, row start, row end)] to store after the
@@ -219,7 +220,7 @@ class Engine:
         if stored:
             shape = (self.ops.num_layers, self.ops.num_kv_heads, num_tokens, self.ops.head_dim)
             stored_k = torch.empty(shape, dtype=self.ops.dtype, device=self.ops.device)
-            stored_v = torch.empty(shape, dtype=self.ops.dtype, device=self.ops.device)
+            stored_v = cache.v[:, :, :num_tokens]  # values load straight into the attention cache
             sources = [(seg.reader, seg.row_start) for seg in stored]
             for seg in stored:
                 stored_mask[seg.row_start:seg.row_start + seg.seq_len] = True

@@ -70,23 +70,29 @@ class TransformerOps:
     def attend_block(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block) -> torch.Tensor:
         """q [Hq, S, d] of one row block over k, v [Hkv, num_keys, d] -> [S, Hq * d].
 
-        On CPU the unmasked head [0, split) and the masked tail run as two flash-attention calls merged
-        by their log-sum-exp: the masked kernel is several times slower per score than the plain one.
-        Query heads sharing a KV head are stacked as rows, so K/V are never repeated in memory."""
+        On CPU the unmasked head [0, split) and the tail run as two flash-attention calls merged by
+        their log-sum-exp: a masked kernel is several times slower per score than a plain or causal one.
+        For the head (and a scattered tail) query heads sharing a KV head are stacked as rows, so K/V
+        are not repeated in memory; a contiguous tail is square and runs the causal kernel."""
         if q.device.type != "cpu":
             return self.attend(q, k, v, block.mask)
         num_rows, rep, d = q.shape[1], self.num_heads // self.num_kv_heads, self.head_dim
-        qg = q.reshape(self.num_kv_heads, rep * num_rows, d)[None]  # [1, Hkv, rep*S, d]
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        tail_mask = block.float_tail_mask(rep, q.dtype)
-        out, lse = flash(qg, k[None, :, block.split:], v[None, :, block.split:], 0.0, False,
-                         attn_mask=tail_mask, scale=self.scaling)
+        qg = q.reshape(self.num_kv_heads, rep * num_rows, d)[None]  # [1, Hkv, rep*S, d]
+        k_tail, v_tail = k[None, :, block.split:], v[None, :, block.split:]
+        if block.contiguous:
+            out, lse = flash(q[None], k_tail.repeat_interleave(rep, 1), v_tail.repeat_interleave(rep, 1),
+                             0.0, True, scale=self.scaling)  # [1, Hq, S, d], [1, Hq, S]
+            out, lse = out.reshape(qg.shape), lse.reshape(qg.shape[:3])
+        else:
+            out, lse = flash(qg, k_tail, v_tail, 0.0, False, attn_mask=block.float_tail_mask(rep, q.dtype),
+                             scale=self.scaling)
         if block.split > 0:
             head_out, head_lse = flash(qg, k[None, :, :block.split], v[None, :, :block.split], 0.0, False,
                                        scale=self.scaling)
-            m = torch.maximum(lse, head_lse)
-            w_tail, w_head = torch.exp(lse - m)[..., None], torch.exp(head_lse - m)[..., None]
-            out = ((out.float() * w_tail + head_out.float() * w_head) / (w_tail + w_head)).to(q.dtype)
+            # softmax over both key ranges = the two partial results weighted by their mass
+            w_head = torch.sigmoid(head_lse - lse)[..., None]
+            out = torch.lerp(out.float(), head_out.float(), w_head).to(q.dtype)
         # [1, Hkv, rep*S, d] -> [Hq, S, d] -> [S, Hq*d]
         return out[0].reshape(self.num_heads, num_rows, d).transpose(0, 1).reshape(num_rows, -1)
 
