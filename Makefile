@@ -6,12 +6,13 @@ STAMP := $(VENV)/.installed
 QWEN_GGUF := $(HOME)/.cache/kvblend/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: demo test test-fast bench qwen serve clean help
+.PHONY: demo test test-fast bench bench-peers qwen serve clean help
 
 help:
 	@echo "make demo   - set up .venv and run a short engine benchmark on the embedded model"
 	@echo "make test   - set up .venv and run the test suite"
 	@echo "make bench  - full engine benchmark (20 MuSiQue examples); make qwen fetches the Qwen2 model"
+	@echo "make bench-peers - TTFT of kvblend vs vLLM and llama.cpp (installs them under .peers/; docs/PEERS.md)"
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,6 +33,12 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/kvblend bench engine --examples 20
+
+# Not part of `make test`: installs vLLM and llama.cpp into .peers/ (slow, needs the network), then one
+# `kvblend bench ttft` run across all three servers. Pass bench flags via ARGS, e.g. ARGS="--rounds 2 --docs 3".
+bench-peers: $(STAMP)
+	scripts/peers/setup.sh
+	scripts/peers/run.sh $(ARGS)
 
 qwen: $(STAMP)
 	$(BIN)/python scripts/fetch_qwen.py --out $(QWEN_GGUF)

@@ -77,6 +77,11 @@ class TransformerOps:
         if q.device.type != "cpu":
             return self.attend(q, k, v, block.mask)
         num_rows, rep, d = q.shape[1], self.num_heads // self.num_kv_heads, self.head_dim
+        if block.contiguous and block.split <= num_rows:
+            # A run after a short stored head (prefix mode, blend@1): pad the queries with the head's
+            # positions and run one causal kernel; the padded rows cost less than a merge would.
+            padded = torch.cat([q.new_zeros(q.shape[0], block.split, d), q], dim=1)
+            return self.attend(padded, k, v, None)[block.split:]
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         qg = q.reshape(self.num_kv_heads, rep * num_rows, d)[None]  # [1, Hkv, rep*S, d]
         k_tail, v_tail = k[None, :, block.split:], v[None, :, block.split:]
