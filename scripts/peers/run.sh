@@ -182,7 +182,10 @@ log "wrote $AUTH (profiles: ${READY[*]})"
 
 PROFILE_ARGS=()
 for e in "${READY[@]}"; do PROFILE_ARGS+=(--profile "$e"); done
-BENCH=("$KVBLEND" bench ttft --auth "$AUTH" "${PROFILE_ARGS[@]}" --rounds "${ROUNDS:-5}" --docs "${DOCS:-4}" "$@")
+DEFAULTS=()  # ROUNDS / DOCS unless the flags name them
+case " $* " in *" --rounds"*) ;; *) DEFAULTS+=(--rounds "${ROUNDS:-5}") ;; esac
+case " $* " in *" --docs"*) ;; *) DEFAULTS+=(--docs "${DOCS:-4}") ;; esac
+BENCH=("$KVBLEND" bench ttft --auth "$AUTH" "${PROFILE_ARGS[@]}" "${DEFAULTS[@]}" "$@")
 log "running: ${BENCH[*]}"
 # The client is light; it runs at normal priority so its clock is not the bottleneck.
 "${BENCH[@]}"

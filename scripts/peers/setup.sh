@@ -64,7 +64,7 @@ install_llamacpp() {
     # --no-cache-dir: a cached wheel may have been built with other flags (e.g. native, AMX on).
     if ! CMAKE_ARGS="$LLAMACPP_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" \
             $NICE "$dir/bin/pip" install -q --no-cache-dir "$LLAMACPP_SPEC"; then
-        skip llamacpp "pip could not build $LLAMACPP_SPEC (needs a C/C++ compiler; see the error above)"; return 0
+        skip llamacpp "pip could not install $LLAMACPP_SPEC (a source build: needs cmake and a C/C++ compiler; see the pip error above)"; return 0
     fi
     if ! $NICE "$dir/bin/python" -c "import llama_cpp, llama_cpp.server.app; print('llama_cpp', llama_cpp.__version__)"; then
         skip llamacpp "installed, but 'import llama_cpp.server' fails"; return 0
