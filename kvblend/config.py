@@ -53,6 +53,9 @@ class BlendConfig:
     check_layers: tuple[int, ...] = (1,)
     check_ratios: tuple[float, ...] = ()  # empty: every check layer uses recompute_ratio
     deviation: str = "v"
+    # Keep a blend/reuse request's final KV per segment under chained keys, and use such entries: a
+    # later request starting with the same segments (same documents, new question) reuses them as is.
+    store_blended_prefix: bool = True
 
     def __post_init__(self):
         validate_mode(self.mode)

@@ -6,6 +6,8 @@ same argmax (bf16 rounding of different kernel orders moves logits by up to ~0.6
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -26,6 +28,16 @@ def _segments(engine, order=(0, 1, 2, 3)):
     return engine.segments([docs[i] for i in order], question, instruction=INSTRUCTION)
 
 
+@contextmanager
+def no_blended_prefix(engine):
+    """Every blend request goes through selection (no reuse of an earlier request's blended KV)."""
+    engine.config.blend.store_blended_prefix = False
+    try:
+        yield engine
+    finally:
+        engine.config.blend.store_blended_prefix = True
+
+
 def _first(engine, segs, mode, ratio=0.15, max_tokens=1):
     return engine.run(GenerationRequest(segs, SamplingParams(max_tokens=max_tokens), mode=mode, recompute_ratio=ratio))
 
@@ -37,9 +49,10 @@ def test_blend_ratio_one_equals_full(dtype, atol):
     segs = _segments(engine, order=(2, 0, 3, 1))
     full = _first(engine, segs, "full")
     engine.precompute(segs.chunk_ids)
-    _first(engine, segs, "blend", 1.0)  # stores the prefix, so the next run reads it from the store
-    blend = _first(engine, segs, "blend", 1.0)
-    assert blend.stats.chunks_hit == 4 and blend.stats.cached_tokens > 0
+    with no_blended_prefix(engine):
+        _first(engine, segs, "blend", 1.0)  # stores the prefix, so the next run reads it from the store
+        blend = _first(engine, segs, "blend", 1.0)
+    assert blend.stats.chunks_hit == 4 and blend.stats.recomputed_tokens == sum(map(len, segs.chunk_ids))
     diff = (blend.first_token_logits - full.first_token_logits).abs().max().item()
     assert diff <= atol, f"blend@1.0 differs from full by {diff}"
     assert blend.first_token_logits.argmax() == full.first_token_logits.argmax()
@@ -137,6 +150,24 @@ def test_other_architectures_blend_one_equals_full(tmp_path, model_type):
     assert blend.token_ids == full.token_ids
 
 
+def test_blended_prefix_is_reused_by_the_next_question():
+    """Same instruction + documents, new question: the earlier blend's chunk KV (chained keys) is
+    reused as is, and gives what blending from scratch gives (chunk KV never depends on the query)."""
+    engine = embedded_engine("float32")
+    engine.store = MemoryStore()
+    docs, _ = musique_docs(3, 4)
+    first = engine.segments(docs, "Question: who is mentioned first?", instruction=INSTRUCTION)
+    second = engine.segments(docs, "Question: which year appears?", instruction=INSTRUCTION)
+    _first(engine, first, "blend", 0.15)
+    reused = _first(engine, second, "blend", 0.15)
+    assert reused.stats.chunks_hit == 4 and reused.stats.recomputed_tokens == 0
+    assert reused.stats.fresh_tokens == len(second.query_ids)
+    with no_blended_prefix(engine):
+        scratch = _first(engine, second, "blend", 0.15)
+    assert scratch.stats.recomputed_tokens > 0
+    assert (reused.first_token_logits - scratch.first_token_logits).abs().max().item() <= FP32_ATOL
+
+
 def test_greedy_decoding_matches_transformers_generate():
     engine = embedded_engine("float32")
     segs = _segments(engine)
@@ -170,10 +201,11 @@ def test_blend_quality_sits_between_reuse_and_full():
     def kl(res):
         return torch.sum(p_full * (torch.log(p_full + 1e-12) - torch.log_softmax(res.first_token_logits, -1))).item()
 
-    kl_reuse = kl(_first(engine, segs, "reuse"))
-    kl_blend = kl(_first(engine, segs, "blend", 0.3))
+    with no_blended_prefix(engine):
+        kl_reuse = kl(_first(engine, segs, "reuse"))
+        kl_blend = kl(_first(engine, segs, "blend", 0.3))
+        stats = _first(engine, segs, "blend", 0.15).stats
     assert kl_blend < kl_reuse
-    stats = _first(engine, segs, "blend", 0.15).stats
     chunk_tokens = sum(map(len, segs.chunk_ids))
     assert stats.recomputed_tokens == pytest.approx(0.15 * chunk_tokens, abs=1)
     assert stats.prompt_tokens == stats.reused_tokens + stats.recomputed_tokens + stats.fresh_tokens

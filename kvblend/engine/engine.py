@@ -48,6 +48,9 @@ class _StoredSegment:
     row_start: int
     reader: KVReader  # layer-by-layer access to the segment's stored KV
     is_hit: bool  # found in the store at request start (vs computed alone during this request)
+    # Stored in the context of every segment before it (a prefix-chain hit): used as is, never
+    # recomputed. Chunk KV computed alone is not exact and goes through selection.
+    exact: bool = False
 
     @property
     def seq_len(self) -> int:
@@ -187,8 +190,6 @@ class Engine:
                 for seg in stored:
                     seg.reader.close()
         self._account(stats, stored, out.recomputed_rows, num_tokens)
-        for key, start, end in to_store:  # exact-context segments: reusable by later prefix hits
-            self.store.put(key, ChunkKV(out.fresh_k[:, :, start:end].clone(), out.fresh_v[:, :, start:end].clone()))
         seq = Sequence(request, cache, stats)
         seq.first_token_logits = out.last_logits
         event = self._append_token(seq, sample(out.last_logits, request.sampling, seq.generator))
@@ -196,6 +197,8 @@ class Engine:
         stats.ttft_ms = (t1 - t0) * 1e3
         stats.load_ms = (t_loaded - t0) * 1e3
         stats.compute_ms = (t1 - t_loaded) * 1e3
+        for key, start, end in to_store:  # chained segments: reusable by later requests with this start
+            self.store.put(key, ChunkKV(out.fresh_k[:, :, start:end].clone(), out.fresh_v[:, :, start:end].clone()))
         if event is not None:
             seq.pending.append(event)
         return seq
@@ -214,7 +217,7 @@ class Engine:
         elif mode == "prefix":
             stored, to_store = self._lookup_prefix_chain(segs, namespace)
         else:
-            stored, to_store = self._lookup_chunks(segs, namespace, stats)
+            stored, to_store = self._lookup_chunks(segs, namespace, stats, f"{mode}@{ratio:g}")
         stored_mask = torch.zeros(num_tokens, dtype=torch.bool)
         stored_k = stored_v = loader = None
         if stored:
@@ -228,14 +231,15 @@ class Engine:
                 loader = LayerwiseLoader(sources, stored_k, stored_v)
             else:
                 load_sync(sources, stored_k, stored_v)
-        prefix_len = len(segs.prefix_ids)
         if mode == "blend":
-            # Stored prefix rows are exact (same content, same positions): never recomputed.
-            prefix_stored = torch.zeros(num_tokens, dtype=torch.bool)
-            prefix_stored[:prefix_len] = stored_mask[:prefix_len]
-            active = (~prefix_stored).nonzero().flatten()
-            num_chunk_rows = int(stored_mask[prefix_len:].sum())
-            layers, keep = self._check_schedule(ratio, num_chunk_rows)
+            # Rows stored in their exact context (the prefix, earlier blends of the same leading
+            # segments) are final; the other stored rows are chunk KV computed alone: candidates.
+            exact = torch.zeros(num_tokens, dtype=torch.bool)
+            for seg in stored:
+                if seg.exact:
+                    exact[seg.row_start:seg.row_start + seg.seq_len] = True
+            active = (~exact).nonzero().flatten()
+            layers, keep = self._check_schedule(ratio, int((stored_mask & ~exact).sum()))
         else:
             active = (~stored_mask).nonzero().flatten()
             layers, keep = (), ()
@@ -275,30 +279,44 @@ class Engine:
             row += len(seg_ids)
         return stored, to_store
 
-    def _lookup_chunks(self, segs: Segments, namespace: str, stats: PrefillStats):
-        """Prefix by its exact key, each chunk by its position-independent key; missing chunks are
-        computed alone now and stored, so the next request with them hits."""
-        stored, to_store, row = [], [], 0
-        if segs.prefix_ids:
-            key = make_prefix_key(self.fingerprint, None, segs.prefix_ids, namespace)
-            reader = self._open(key, len(segs.prefix_ids))
+    def _lookup_chunks(self, segs: Segments, namespace: str, stats: PrefillStats, chain_tag: str):
+        """reuse / blend: the longest run of leading segments stored by an earlier request of the same
+        mode and ratio (chained keys: that KV saw exactly these segments before it) is used as is;
+        every later chunk comes by its position-independent key, computed alone now if missing (and
+        stored, so the next request hits). The prefix segment's chain key is the exact one prefix
+        mode uses, since a prefix is never recomputed."""
+        stored, to_store, row, parent, chained = [], [], 0, None, True
+        reuse_chain = self.config.blend.store_blended_prefix
+        for kind, seg_ids in segs.segment_list():
+            if kind == "query":
+                break
+            chained = chained and (kind == "prefix" or reuse_chain)
+            key = make_prefix_key(self.fingerprint, parent, seg_ids,
+                                  namespace if kind == "prefix" else f"{namespace}|{chain_tag}")
+            parent = key
+            reader = self._open(key, len(seg_ids)) if chained else None
             if reader is not None:
-                stored.append(_StoredSegment(0, reader, True))
-            else:
-                to_store.append((key, 0, len(segs.prefix_ids)))
-            row = len(segs.prefix_ids)
-        for chunk_ids in segs.chunk_ids:
-            key = self.chunk_key(chunk_ids, namespace)
-            reader = self._open(key, len(chunk_ids))
-            hit = reader is not None
-            if not hit:
-                kv = self._compute_chunk(chunk_ids)
-                self.store.put(key, kv)
-                reader = TensorReader(kv)
-            stats.chunks_hit += int(hit)
-            stored.append(_StoredSegment(row, reader, hit))
-            row += len(chunk_ids)
+                stats.chunks_hit += int(kind == "chunk")
+                stored.append(_StoredSegment(row, reader, True, exact=True))
+                row += len(seg_ids)
+                continue
+            chained = False
+            if kind == "prefix" or reuse_chain:
+                to_store.append((key, row, row + len(seg_ids)))
+            if kind == "chunk":
+                stored.append(self._chunk_segment(seg_ids, row, namespace, stats))
+            row += len(seg_ids)
         return stored, to_store
+
+    def _chunk_segment(self, chunk_ids: list[int], row: int, namespace: str, stats: PrefillStats) -> _StoredSegment:
+        key = self.chunk_key(chunk_ids, namespace)
+        reader = self._open(key, len(chunk_ids))
+        if reader is None:
+            kv = self._compute_chunk(chunk_ids)
+            self.store.put(key, kv)
+            return _StoredSegment(row, TensorReader(kv), False)
+        stats.chunks_hit += 1
+        return _StoredSegment(row, reader, True)
 
     def _open(self, key: str, num_tokens: int) -> KVReader | None:
         """A reader for ``key`` if stored with the expected geometry; anything else is a miss."""
