@@ -8,6 +8,7 @@ from what full prefill would have said. TTFT is the client-side time to the firs
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from kvblend.bench.common import make_progress, markdown_table, ms, report_header
@@ -29,6 +30,10 @@ class EvalConfig:
     # TTFT measures reuse rather than the first computation of every chunk.
     prewarm: bool = True
     extra_body: dict | None = None
+    # Timed requests send the passages shuffled against the warm-up's order, as re-ranked retrieval
+    # does: prefix caching then hits only the instruction, chunk reuse hits every passage.
+    shuffle: bool = True
+    seed: int = 0
     labels: list[str] = field(init=False)
 
     def __post_init__(self):
@@ -38,16 +43,20 @@ class EvalConfig:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
 
-    def prewarm_mode(self) -> ModeSpec | None:
-        """A chunk-storing mode (blend / reuse) when one is evaluated; prefix caching alone would leave
-        the chunk store empty for them. None when no mode reuses anything."""
+    def prewarm_modes(self) -> list[ModeSpec]:
+        """Untimed warm-up modes: a chunk-storing one (blend / reuse) so their chunks are stored, and
+        prefix so prefix caching has seen the warm-up order. Empty when nothing reuses anything."""
         if not self.prewarm:
-            return None
-        for wanted in (("blend", "reuse"), ("prefix", "default")):
-            found = next((m for m in self.modes if m.mode in wanted), None)
-            if found is not None:
-                return found
-        return None
+            return []
+        return [next(m for m in self.modes if m.mode in wanted) for wanted in (("blend", "reuse"), ("prefix", "default"))
+                if any(m.mode in wanted for m in self.modes)]
+
+    def timed_passages(self, passages: list[str], index: int) -> list[str]:
+        if not self.shuffle:
+            return list(passages)
+        order = list(passages)
+        random.Random(self.seed * 100_003 + index).shuffle(order)
+        return order
 
 
 def score_answer(answer: str, golds: list[str]) -> dict:
@@ -105,12 +114,12 @@ async def eval_endpoint(endpoint: Endpoint, examples: list[QAExample], cfg: Eval
     try:
         model = await resolve_model_id(client, endpoint)
         task = progress.add_task(f"eval {endpoint.name}", total=len(examples) * len(cfg.modes))
-        warm = cfg.prewarm_mode()
-        for ex in examples:
+        for i, ex in enumerate(examples):
             passages = ex.passages[: cfg.n_docs] if cfg.n_docs else ex.passages
-            messages = user_messages(build_prompt(cfg.instruction, passages, ex.question))
-            if warm is not None:
-                await stream_chat(client, model, ChatRequest(messages, 1, extra_body=merge_extra_body(
+            warm_messages = user_messages(build_prompt(cfg.instruction, passages, ex.question))
+            messages = user_messages(build_prompt(cfg.instruction, cfg.timed_passages(passages, i), ex.question))
+            for warm in cfg.prewarm_modes():
+                await stream_chat(client, model, ChatRequest(warm_messages, 1, extra_body=merge_extra_body(
                     cfg.extra_body, warm.extra_body())))
             for mode in cfg.modes:  # sequential: concurrent requests would inflate each other's TTFT
                 r = await stream_chat(client, model, ChatRequest(

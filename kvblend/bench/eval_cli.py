@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help="comma list: full, prefix, reuse, blend, blend@R, or default (no override)")
     parser.add_argument("--docs", type=positive_int, default=None, help="passages per example (default: all)")
+    parser.add_argument("--no-shuffle", action="store_true",
+                        help="time the passages in the warm-up's order (default: shuffled, as re-ranked retrieval)")
     parser.add_argument("--no-prewarm", action="store_true",
                         help="skip the untimed request that fills the chunk cache before each example's modes")
 
@@ -29,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     from kvblend.client.stream import merge_extra_body, parse_mode_list
 
     cfg = EvalConfig(modes=parse_mode_list(args.modes), max_tokens=args.max_tokens, n_docs=args.docs,
-                     prewarm=not args.no_prewarm, extra_body=merge_extra_body(args.extra_body))
+                     prewarm=not args.no_prewarm, extra_body=merge_extra_body(args.extra_body),
+                     shuffle=not args.no_shuffle, seed=args.seed)
     endpoints = endpoints_from_args(args)
     examples = load_examples(args.data, args.limit)
     if not examples:
