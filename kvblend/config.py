@@ -96,6 +96,9 @@ class EngineConfig:
     chunk_context: str | None = None
     # Load stored KV layer by layer on a thread while earlier layers compute (False: load all first).
     pipeline_loads: bool = True
+    # reuse / blend with a missing chunk: prefill its rows in context now and compute its standalone KV
+    # after the first token (True), or compute it alone before the prefill (False: slower first token).
+    defer_missing_chunks: bool = True
 
 
 STORE_TIERS = ("memory", "disk", "redis")

@@ -158,6 +158,7 @@ def test_blended_prefix_is_reused_by_the_next_question():
     docs, _ = musique_docs(3, 4)
     first = engine.segments(docs, "Question: who is mentioned first?", instruction=INSTRUCTION)
     second = engine.segments(docs, "Question: which year appears?", instruction=INSTRUCTION)
+    engine.precompute(first.chunk_ids)
     _first(engine, first, "blend", 0.15)
     reused = _first(engine, second, "blend", 0.15)
     assert reused.stats.chunks_hit == 4 and reused.stats.recomputed_tokens == 0
@@ -166,6 +167,22 @@ def test_blended_prefix_is_reused_by_the_next_question():
         scratch = _first(engine, second, "blend", 0.15)
     assert scratch.stats.recomputed_tokens > 0
     assert (reused.first_token_logits - scratch.first_token_logits).abs().max().item() <= FP32_ATOL
+
+
+def test_missing_chunks_are_prefilled_in_context_then_stored():
+    """A cold blend request costs one normal prefill (its missing chunks are computed in context, so
+    ratio plays no role and logits equal full); the chunks are stored after it, so the next one hits."""
+    engine = embedded_engine("float32")
+    engine.store = MemoryStore()
+    segs = _segments(engine, order=(3, 2, 1, 0))
+    full = _first(engine, segs, "full")
+    with no_blended_prefix(engine):
+        cold = _first(engine, segs, "blend", 0.15)
+        assert cold.stats.chunks_hit == 0 and cold.stats.fresh_tokens == segs.num_tokens
+        assert (cold.first_token_logits - full.first_token_logits).abs().max().item() <= FP32_ATOL
+        assert not engine.has_deferred  # run() computed them after the request
+        warm = _first(engine, segs, "blend", 0.15)
+    assert warm.stats.chunks_hit == 4 and warm.stats.recomputed_tokens > 0
 
 
 def test_greedy_decoding_matches_transformers_generate():

@@ -236,6 +236,8 @@ def measure_e2e(tiers: tuple[str, ...], disk_dir, redis_url, repeats: int, ratio
     from kvblend.store.memory import MemoryStore
 
     engine = create_engine(EngineConfig(model=ModelConfig(dtype="bfloat16")), MemoryStore())
+    # Every timed run must blend (select + recompute), not reuse the previous run's blended KV.
+    engine.config.blend.store_blended_prefix = False
     ex = load_musique(limit=1)[0]
     segs = engine.segments(ex.passages, f"Question: {ex.question}", instruction=DEFAULT_INSTRUCTION + "\n\n")
     request = GenerationRequest(segs, SamplingParams(max_tokens=1), mode="blend", recompute_ratio=ratio)

@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -85,7 +86,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.ops = TransformerOps(loaded.hf_model)
         self.fingerprint = loaded.fingerprint
-        self.model_id = EMBEDDED_MODEL_ID if not config.model.model else loaded.model_dir.name
+        self.model_id = _model_id(config.model.model, loaded)
         self.max_context_len = self.ops.max_position_embeddings
         # Chunks are prefilled behind this context; it is part of every chunk key.
         ctx_text = config.chunk_context
@@ -93,6 +94,9 @@ class Engine:
             ctx_text = render_template_halves(self.tokenizer, system=None)[0]
         self.chunk_context_ids = encode(self.tokenizer, ctx_text)
         self.eos_ids = _eos_ids(loaded)
+        # Chunks a request found missing: computed alone after its first token (run_deferred), so a
+        # cold request costs one normal prefill and the next request with these chunks hits.
+        self._deferred: dict[str, list[int]] = {}
 
     # ---- prompts -------------------------------------------------------------------------------
     def segments(self, documents: list[str], question: str, instruction: str = "",
@@ -304,19 +308,42 @@ class Engine:
             if kind == "prefix" or reuse_chain:
                 to_store.append((key, row, row + len(seg_ids)))
             if kind == "chunk":
-                stored.append(self._chunk_segment(seg_ids, row, namespace, stats))
+                seg = self._chunk_segment(seg_ids, row, namespace, stats)
+                if seg is not None:
+                    stored.append(seg)
             row += len(seg_ids)
         return stored, to_store
 
-    def _chunk_segment(self, chunk_ids: list[int], row: int, namespace: str, stats: PrefillStats) -> _StoredSegment:
+    def _chunk_segment(self, chunk_ids: list[int], row: int, namespace: str,
+                       stats: PrefillStats) -> _StoredSegment | None:
+        """The stored chunk, or None when missing: its rows are then computed in context, like the query."""
         key = self.chunk_key(chunk_ids, namespace)
         reader = self._open(key, len(chunk_ids))
-        if reader is None:
-            kv = self._compute_chunk(chunk_ids)
-            self.store.put(key, kv)
-            return _StoredSegment(row, TensorReader(kv), False)
-        stats.chunks_hit += 1
-        return _StoredSegment(row, reader, True)
+        if reader is not None:
+            stats.chunks_hit += 1
+            return _StoredSegment(row, reader, True)
+        if self.config.defer_missing_chunks:
+            self._deferred[key] = list(chunk_ids)
+            return None
+        kv = self._compute_chunk(chunk_ids)
+        self.store.put(key, kv)
+        return _StoredSegment(row, TensorReader(kv), False)
+
+    @property
+    def has_deferred(self) -> bool:
+        return bool(self._deferred)
+
+    @torch.inference_mode()
+    def run_deferred(self, max_items: int | None = None) -> int:
+        """Compute and store chunks that earlier requests found missing. Returns how many were computed."""
+        done = 0
+        while self._deferred and (max_items is None or done < max_items):
+            key, chunk_ids = next(iter(self._deferred.items()))
+            del self._deferred[key]
+            if not self.store.contains(key):
+                self.store.put(key, self._compute_chunk(chunk_ids))
+                done += 1
+        return done
 
     def _open(self, key: str, num_tokens: int) -> KVReader | None:
         """A reader for ``key`` if stored with the expected geometry; anything else is a miss."""
@@ -419,6 +446,7 @@ class Engine:
             if event is not None:
                 yield event
         yield seq.result()
+        self.run_deferred()  # leaves the store warm for the next request
 
     def run(self, request: GenerationRequest) -> GenerationResult:
         result = None
@@ -460,6 +488,14 @@ def _eos_ids(loaded: LoadedModel) -> set[int]:
         elif isinstance(eos, (list, tuple)):
             ids.update(int(e) for e in eos)
     return ids
+
+
+def _model_id(model_ref: str, loaded: LoadedModel) -> str:
+    """A readable id: the embedded model's name, a GGUF file's stem, or the weights dir's name."""
+    if not model_ref:
+        return EMBEDDED_MODEL_ID
+    ref = Path(model_ref)
+    return ref.stem if ref.suffix == ".gguf" else loaded.model_dir.name
 
 
 def create_engine(config: EngineConfig | None = None, store: KVStore | None = None) -> Engine:

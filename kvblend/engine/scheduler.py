@@ -150,12 +150,14 @@ class Scheduler:
         try:
             while True:
                 with self._cond:
-                    while not self._stopping and not self._pending and not self._active:
+                    while not self._stopping and not self._pending and not self._active and not self._has_deferred():
                         self._cond.wait()
                     if self._stopping:
                         break
                 self._admit()
                 self._step()
+                if not self._active:
+                    self._run_deferred()
         except BaseException as e:  # a bug in the engine loop: fail everyone loudly, not silently hang
             log.exception("scheduler %s died", self.name)
             self._fail_all(e)
@@ -167,8 +169,24 @@ class Scheduler:
         with self._cond:
             return self._pending.popleft() if self._pending else None
 
+    def _has_deferred(self) -> bool:
+        return bool(getattr(self.engine, "has_deferred", False))
+
+    def _run_deferred(self) -> None:
+        """Chunk KV that earlier requests found missing, computed off their TTFT path: when the worker is
+        idle, or before the next prefill, so that prefill finds the chunks."""
+        if self._has_deferred():
+            try:
+                self.engine.run_deferred()
+            except Exception:  # a failed precompute only costs a later cache miss
+                log.exception("deferred chunk precompute failed")
+
     def _admit(self) -> None:
         # Calls (precompute) run in queue order, interleaved with prefills; they never wait for a free slot.
+        with self._cond:
+            waiting = bool(self._pending)
+        if waiting:
+            self._run_deferred()
         while len(self._active) < self.max_batch:
             item = self._next_pending()
             if item is None:
