@@ -239,3 +239,24 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ---- fixtures shared by the client / harness tests (import them into the test module) -------------
+import pytest  # noqa: E402  (fixtures only; the stand-in server itself needs nothing beyond the stdlib)
+
+STANDIN_KEY = "sk-standin-0123456789abcd"
+
+
+@pytest.fixture
+def isolated(tmp_path, monkeypatch):
+    """No auth.json or KVBLEND_* variable from the developer's machine leaks into a test."""
+    for var in ("KVBLEND_BASE_URL", "KVBLEND_API_KEY", "KVBLEND_MODEL_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with StandinServer(key=STANDIN_KEY) as s:
+        yield s

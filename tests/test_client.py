@@ -9,29 +9,17 @@ import socket
 from pathlib import Path
 
 import pytest
-from openai_standin import StandinServer
+from openai_standin import STANDIN_KEY, isolated, server  # noqa: F401 (pytest fixtures)
 
 from kvblend.client import doctor
 from kvblend.client.auth import AuthError, Endpoint, load_endpoint, mask_key
 from kvblend.client.stream import (ChatRequest, ModeSpec, kvblend_override, make_async_client, parse_mode_list,
                                    parse_mode_spec, stream_chat)
 
-KEY = "sk-standin-0123456789abcd"
+KEY = STANDIN_KEY
 
 
-@pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    """No auth.json or KVBLEND_* variable from the developer's machine leaks into a test."""
-    for var in ("KVBLEND_BASE_URL", "KVBLEND_API_KEY", "KVBLEND_MODEL_ID"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    monkeypatch.chdir(tmp_path)
-
-
-@pytest.fixture(scope="module")
-def server():
-    with StandinServer(key=KEY) as s:
-        yield s
+pytestmark = pytest.mark.usefixtures("isolated")
 
 
 def write_auth(path: Path, **settings) -> Path:

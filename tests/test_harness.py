@@ -9,11 +9,11 @@ import re
 from pathlib import Path
 
 import pytest
-from openai_standin import StandinServer
+from openai_standin import STANDIN_KEY, StandinServer, isolated, server  # noqa: F401 (fixtures)
 
 from kvblend.bench import data, eval_cli, load, metrics, ttft
 
-KEY = "sk-standin-0123456789abcd"
+KEY = STANDIN_KEY
 
 # Three MuSiQue-shaped examples. The stand-in answers "Paris" ("London Bridge" in mode reuse), so with
 # these golds full-prefill F1 is (1 + 1 + 0) / 3: "the paris" normalises to "paris".
@@ -28,18 +28,7 @@ EXAMPLES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    for var in ("KVBLEND_BASE_URL", "KVBLEND_API_KEY", "KVBLEND_MODEL_ID"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    monkeypatch.chdir(tmp_path)
-
-
-@pytest.fixture(scope="module")
-def server():
-    with StandinServer(key=KEY) as s:
-        yield s
+pytestmark = pytest.mark.usefixtures("isolated")
 
 
 @pytest.fixture
