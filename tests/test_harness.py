@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from openai_standin import STANDIN_KEY, StandinServer, isolated, server  # noqa: F401 (fixtures)
+from openai_standin import STANDIN_KEY, isolated, server  # noqa: F401 (pytest fixtures)
 
 from kvblend.bench import data, eval_cli, load, metrics, ttft
 
