@@ -150,14 +150,12 @@ class Scheduler:
         try:
             while True:
                 with self._cond:
-                    while not self._stopping and not self._pending and not self._active and not self._has_deferred():
+                    while not self._stopping and not self._pending and not self._active:
                         self._cond.wait()
                     if self._stopping:
                         break
                 self._admit()
                 self._step()
-                if not self._active:
-                    self._run_deferred()
         except BaseException as e:  # a bug in the engine loop: fail everyone loudly, not silently hang
             log.exception("scheduler %s died", self.name)
             self._fail_all(e)
@@ -173,8 +171,9 @@ class Scheduler:
         return bool(getattr(self.engine, "has_deferred", False))
 
     def _run_deferred(self) -> None:
-        """Chunk KV that earlier requests found missing, computed off their TTFT path: when the worker is
-        idle, or before the next prefill, so that prefill finds the chunks."""
+        """Chunk KV a request found missing, computed right after its first token went out: off its TTFT,
+        and done before a client that waits for this answer sends its next request. (Run later, when
+        idle, it would land on the TTFT of a back-to-back client's next request.)"""
         if self._has_deferred():
             try:
                 self.engine.run_deferred()
@@ -183,10 +182,6 @@ class Scheduler:
 
     def _admit(self) -> None:
         # Calls (precompute) run in queue order, interleaved with prefills; they never wait for a free slot.
-        with self._cond:
-            waiting = bool(self._pending)
-        if waiting:
-            self._run_deferred()
         while len(self._active) < self.max_batch:
             item = self._next_pending()
             if item is None:
@@ -223,6 +218,7 @@ class Scheduler:
             _emit(handle, seq.result())
         else:
             self._active.append(_Active(handle, seq))
+        self._run_deferred()
 
     def _step(self) -> None:
         self._active = [a for a in self._active if not a.handle.cancelled.is_set()]
