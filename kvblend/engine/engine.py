@@ -414,10 +414,7 @@ class Engine:
     def _append_token(self, seq: Sequence, token_id: int) -> TokenEvent | None:
         """Record a sampled token; finish on EOS / stop token / stop string / max_tokens."""
         params = seq.request.sampling
-        if not params.ignore_eos and (token_id in self.eos_ids or token_id in params.stop_token_ids):
-            seq.finished, seq.finish_reason = True, "stop"
-            return None
-        if token_id in params.stop_token_ids:
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_ids):
             seq.finished, seq.finish_reason = True, "stop"
             return None
         seq.generated.append(token_id)
