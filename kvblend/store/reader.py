@@ -13,6 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvblend.store.base import ChunkKV
@@ -71,8 +72,19 @@ class TensorReader(KVReader):
         return self._kv.k[layer], self._kv.v[layer]
 
     def read_layer_into(self, layer: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-        k_out.copy_(self._kv.k[layer])
-        v_out.copy_(self._kv.v[layer])
+        copy_tensor(k_out, self._kv.k[layer])
+        copy_tensor(v_out, self._kv.v[layer])
+
+
+def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, but a plain memcpy for CPU tensors of one dtype. Loads run on a loader
+    thread, where torch's copy pays OpenMP team start-up per call (measured: ~3x slower than numpy's
+    copy for one example's 600 per-layer chunk copies)."""
+    if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype
+            and dst.shape == src.shape and dst.stride(-1) == 1 and src.stride(-1) == 1):
+        np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
+    else:
+        dst.copy_(src)
 
 
 # Fetches ``length`` bytes at ``offset`` of the stored blob; returns fewer if the blob is shorter.
