@@ -78,7 +78,6 @@ class PrefillOutput:
     fresh_k: torch.Tensor  # [L, Hkv, T, d] pre-RoPE keys: fresh where computed, stored elsewhere
     fresh_v: torch.Tensor
     recomputed_rows: torch.Tensor  # stored rows still active after the last check layer
-    final_active_rows: torch.Tensor = field(default=None)
 
 
 def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> PrefillOutput:
@@ -127,7 +126,7 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
         h = ops.finish_layer(layer, h, attn)
     cache.length = T
     last_logits = ops.logits(h[-1:])[0]
-    return PrefillOutput(last_logits, k_pre, v_all, recomputed, active.cpu())
+    return PrefillOutput(last_logits, k_pre, v_all, recomputed)
 
 
 @dataclass

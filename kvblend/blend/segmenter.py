@@ -72,13 +72,8 @@ def build_segments(
     history: list[dict] | None = None,
 ) -> Segments:
     """Segments for: [template start, system, history, user: instruction] [doc + sep]... [question + template end]."""
-    before, after = render_template_halves(tokenizer, system, history)
-    chunks = [encode(tokenizer, d + CHUNK_SEPARATOR) for d in documents if d]
-    return Segments(
-        prefix_ids=encode(tokenizer, before + instruction),
-        chunk_ids=[c for c in chunks if c],
-        query_ids=encode(tokenizer, question + after),
-    )
+    return build_segments_from_parts(tokenizer, [d + CHUNK_SEPARATOR for d in documents if d], question,
+                                     system, history, leading_text=instruction)
 
 
 def split_plain_text(text: str) -> tuple[list[str], str]:
@@ -112,3 +107,16 @@ def build_segments_from_parts(
         chunk_ids=[ids for ids in (encode(tokenizer, t) for t in chunk_texts) if ids],
         query_ids=encode(tokenizer, query_text + after),
     )
+
+
+def build_completion_segments(tokenizer, prompt: str | list[int], documents: list[str]) -> Segments:
+    """Segments for a raw completion prompt (no chat template): [tokenizer's own BOS] [documents]
+    [prompt pieces]. A text prompt is auto-segmented like a plain chat message, so blank-line-joined
+    documents hit the cache; a prompt of token ids is the query as is."""
+    prefix = list(tokenizer.encode("", add_special_tokens=True))  # BOS for Llama-style tokenizers, else []
+    chunks = [encode(tokenizer, d + CHUNK_SEPARATOR) for d in documents if d]
+    if isinstance(prompt, list):
+        return Segments(prefix_ids=prefix, chunk_ids=chunks, query_ids=list(prompt))
+    pieces, query = split_plain_text(prompt)
+    chunks += [encode(tokenizer, p) for p in pieces]
+    return Segments(prefix_ids=prefix, chunk_ids=[c for c in chunks if c], query_ids=encode(tokenizer, query))

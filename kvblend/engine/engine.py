@@ -123,12 +123,6 @@ class Engine:
             chunks, query = split_plain_text(content or "")
         return build_segments_from_parts(self.tokenizer, chunks, query, history=history)
 
-    def segments_from_text(self, prompt: str) -> Segments:
-        """A raw completion prompt: no template; split at blank lines like plain chat text."""
-        chunks, query = split_plain_text(prompt)
-        return Segments(prefix_ids=[], chunk_ids=[i for i in (encode(self.tokenizer, c) for c in chunks) if i],
-                        query_ids=encode(self.tokenizer, query))
-
     # ---- chunk precompute ----------------------------------------------------------------------
     def chunk_key(self, chunk_ids: list[int], namespace: str = "") -> str:
         return make_chunk_key(self.fingerprint, self.chunk_context_ids, chunk_ids, namespace)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Union
 
-from kvblend.blend.segmenter import CHUNK_SEPARATOR, Segments, encode, split_plain_text
+from kvblend.blend.segmenter import build_completion_segments
 from kvblend.config import ModelEntry, ServerConfig, StoreConfig
 from kvblend.engine.request import GenerationRequest, GenerationResult, PrefillStats, SamplingParams, TokenEvent
 from kvblend.engine.scheduler import Failed, QueueFullError, Scheduler, SchedulerClosedError, Started
@@ -80,20 +80,6 @@ class Backend(Protocol):
 
 # --- local engine --------------------------------------------------------------------------------
 
-def completion_segments(tokenizer, prompt: str | list[int], documents: list[str]) -> Segments:
-    """Segments for /v1/completions (no chat template): [tokenizer's own BOS] [documents] [prompt pieces] .
-
-    A text prompt is auto-segmented like a plain chat message, so blank-line-joined documents hit the cache.
-    """
-    prefix = list(tokenizer.encode("", add_special_tokens=True))  # BOS for Llama-style tokenizers, else []
-    chunks = [encode(tokenizer, d + CHUNK_SEPARATOR) for d in documents if d]
-    if isinstance(prompt, list):
-        return Segments(prefix_ids=prefix, chunk_ids=chunks, query_ids=list(prompt))
-    pieces, query = split_plain_text(prompt)
-    chunks += [encode(tokenizer, p) for p in pieces]
-    return Segments(prefix_ids=prefix, chunk_ids=[c for c in chunks if c], query_ids=encode(tokenizer, query))
-
-
 class PromptTooLong(ValueError):
     """Raised on the worker when prompt (+ requested completion) exceeds the context window."""
 
@@ -109,7 +95,7 @@ def build_request(engine, job: GenerationJob, default_max_tokens: int) -> Genera
     if job.messages is not None:
         segs = engine.segments_from_messages(job.messages, documents=job.documents or None)
     else:
-        segs = completion_segments(engine.tokenizer, job.prompt if job.prompt is not None else "", job.documents)
+        segs = build_completion_segments(engine.tokenizer, job.prompt if job.prompt is not None else "", job.documents)
     n, limit = segs.num_tokens, int(engine.max_context_len)
     if n >= limit:
         raise PromptTooLong(n, limit)
