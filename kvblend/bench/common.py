@@ -67,6 +67,15 @@ def publish(report: dict, kind: str, out_dir: Path, table_text: str, plot, no_pl
         print(f"wrote {png_path}", file=sys.stderr)
 
 
+def exit_code_for_errors(report: dict, section: str) -> int:
+    """Print one stderr line per endpoint/``section`` entry that had errors; 1 if any did, else 0."""
+    failed = [f"{ep['endpoint']['name']}/{name}: {entry['first_error']}" for ep in report["endpoints"]
+              for name, entry in ep[section].items() if entry["errors"]]
+    for line in failed:
+        print(f"errors in {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def report_header(kind: str, config: dict) -> dict:
     return {"kind": kind, "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "unix_time": time.time(), "config": config}

@@ -135,6 +135,14 @@ def document_pool(examples: list[QAExample]) -> list[str]:
     return list(seen)
 
 
+def take_passages(examples: list[QAExample], count: int, source: str, flag: str) -> list[str]:
+    """The first ``count`` distinct passages; a one-line error naming ``flag`` when there are fewer."""
+    pool = document_pool(examples)
+    if len(pool) < count:
+        raise ValueError(f"{source} has {len(pool)} distinct passages, fewer than {flag} {count}")
+    return pool[:count]
+
+
 def questions(examples: list[QAExample], fallback_seed: int = 0) -> list[str]:
     qs = [ex.question for ex in examples if ex.question]
     if qs:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from kvblend.bench.common import add_common_arguments, positive_int, publish
+from kvblend.bench.common import add_common_arguments, exit_code_for_errors, positive_int, publish
 from kvblend.client.auth import add_endpoint_arguments, endpoints_from_args
 
 DEFAULT_MODES = "full,prefix,reuse,blend@0.15"
@@ -41,8 +40,4 @@ def run(args: argparse.Namespace) -> int:
     from kvblend.bench.plots import plot_quality_vs_ttft
 
     publish(report, "eval", args.out_dir, table(report), plot_quality_vs_ttft, args.no_plot)
-    errors = [f"{ep['endpoint']['name']}/{label}: {m['first_error']}" for ep in report["endpoints"]
-              for label, m in ep["modes"].items() if m["errors"]]
-    for line in errors:
-        print(f"errors in {line}", file=sys.stderr)
-    return 1 if errors else 0
+    return exit_code_for_errors(report, "modes")

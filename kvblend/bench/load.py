@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from kvblend.bench.common import (add_common_arguments, make_progress, markdown_table, ms, positive_int,
                                   publish, report_header)
-from kvblend.bench.data import DEFAULT_INSTRUCTION, build_prompt, document_pool, load_examples, questions, user_messages
+from kvblend.bench.data import DEFAULT_INSTRUCTION, build_prompt, load_examples, questions, take_passages, user_messages
 from kvblend.bench.metrics import summarize
 from kvblend.client.auth import Endpoint, add_endpoint_arguments, endpoints_from_args
 from kvblend.client.stream import ChatRequest, ModeSpec, StreamResult, merge_extra_body
@@ -248,10 +248,8 @@ def run(args: argparse.Namespace) -> int:
                      seed=args.seed, extra_body=merge_extra_body(args.extra_body))
     endpoints = endpoints_from_args(args)
     examples = load_examples(args.data)
-    pool = document_pool(examples)
-    if len(pool) < cfg.pool_docs:
-        raise ValueError(f"{args.data} has {len(pool)} distinct passages, fewer than --pool {cfg.pool_docs}")
-    report = run_load(endpoints, pool[: cfg.pool_docs], questions(examples, args.seed), cfg)
+    pool = take_passages(examples, cfg.pool_docs, str(args.data), "--pool")
+    report = run_load(endpoints, pool, questions(examples, args.seed), cfg)
     report["config"]["data"] = str(args.data)
     from kvblend.bench.plots import plot_load
 

@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import random
 import secrets
-import sys
 from dataclasses import asdict, dataclass
 
 from kvblend.bench.common import (add_common_arguments, make_progress, markdown_table, ms, positive_int,
-                                  publish, report_header)
-from kvblend.bench.data import DEFAULT_INSTRUCTION, build_prompt, document_pool, load_examples, questions, user_messages
+                                  exit_code_for_errors, publish, report_header)
+from kvblend.bench.data import DEFAULT_INSTRUCTION, build_prompt, load_examples, questions, take_passages, user_messages
 from kvblend.bench.metrics import summarize
 from kvblend.client.auth import Endpoint, add_endpoint_arguments, endpoints_from_args
 from kvblend.client.stream import ChatRequest, StreamResult, merge_extra_body, parse_mode_spec
@@ -189,16 +188,10 @@ def run(args: argparse.Namespace) -> int:
                      max_tokens=args.max_tokens, seed=args.seed, extra_body=merge_extra_body(args.extra_body, override),
                      scenarios=tuple(s.strip() for s in args.scenarios.split(",") if s.strip()))
     examples = load_examples(args.data)
-    docs = document_pool(examples)
-    if len(docs) < cfg.n_docs:
-        raise ValueError(f"{args.data} has {len(docs)} distinct passages, fewer than --docs {cfg.n_docs}")
-    report = run_ttft(endpoints, docs[: cfg.n_docs], questions(examples, args.seed), cfg)
+    docs = take_passages(examples, cfg.n_docs, str(args.data), "--docs")
+    report = run_ttft(endpoints, docs, questions(examples, args.seed), cfg)
     report["config"]["data"] = str(args.data)
     from kvblend.bench.plots import plot_ttft
 
     publish(report, "ttft", args.out_dir, table(report), plot_ttft, args.no_plot)
-    failed = [f"{ep['endpoint']['name']}/{n}: {s['first_error']}" for ep in report["endpoints"]
-              for n, s in ep["scenarios"].items() if s["errors"]]
-    for line in failed:
-        print(f"errors in {line}", file=sys.stderr)
-    return 1 if failed else 0
+    return exit_code_for_errors(report, "scenarios")
