@@ -25,12 +25,12 @@ class GatedReader(KVReader):
         self.head_dim, self.dtype = inner.head_dim, inner.dtype
         self.release = threading.Event()
 
-    def read_layer_into(self, layer, k_out, v_out):
+    def read_layer_bytes_into(self, layer, k_out, v_out):
         if layer == self.gate_layer:
             self.release.wait(10)
         if layer == self.fail_layer:
             raise KVReadError("simulated corrupt layer")
-        self.inner.read_layer_into(layer, k_out, v_out)
+        self.inner.read_layer_bytes_into(layer, k_out, v_out)
 
 
 def _buffers(rows: int) -> tuple[torch.Tensor, torch.Tensor]:

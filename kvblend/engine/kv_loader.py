@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvblend.store.reader import KVReader, KVReadError
+from kvblend.store.reader import KVReader, KVReadError, byte_view
 
 Source = tuple[KVReader, int]  # (reader of one chunk, first destination row of that chunk)
 
@@ -45,11 +45,33 @@ def load_layer(sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tensor, 
         reader.read_layer_into(layer, k_pre[layer, :, rows], v[layer, :, rows])
 
 
+class _LayerCopier:
+    """``load_layer`` with the buffers' uint8 numpy views made once: per chunk and layer only numpy
+    slicing and a memcpy are left (torch slicing + view per copy cost as much as the copy itself
+    for ~500-token chunks). Device buffers take the tensor path."""
+
+    def __init__(self, sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tensor):
+        self.sources, self.k_pre, self.v = sources, k_pre, v
+        self._bytes = None
+        if k_pre.device.type == "cpu" and v.device.type == "cpu":
+            self._bytes = (byte_view(k_pre), byte_view(v))  # [layers, kv_heads, T, d * itemsize]
+
+    def __call__(self, layer: int) -> None:
+        if self._bytes is None:
+            load_layer(self.sources, self.k_pre, self.v, layer)
+            return
+        k_bytes, v_bytes = self._bytes[0][layer], self._bytes[1][layer]
+        for reader, off in self.sources:
+            end = off + reader.seq_len
+            reader.read_layer_bytes_into(layer, k_bytes[:, off:end], v_bytes[:, off:end])
+
+
 def load_sync(sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tensor) -> None:
     """Everything, on the calling thread (reference for the pipelined path; fallback when not overlapping)."""
     _check_sources(sources, k_pre, v)
+    copy = _LayerCopier(sources, k_pre, v)
     for layer in range(k_pre.shape[0]):
-        load_layer(sources, k_pre, v, layer)
+        copy(layer)
 
 
 class LayerwiseLoader:
@@ -82,10 +104,11 @@ class LayerwiseLoader:
         # Inference mode is thread-local: buffers allocated under it can only be written under it.
         try:
             with torch.inference_mode(torch.is_inference(self.k_pre)):
+                copy = _LayerCopier(self.sources, self.k_pre, self.v)
                 for layer in range(self.num_layers):
                     if self._stop.is_set():
                         raise KVReadError("loader closed before layer was loaded")
-                    load_layer(self.sources, self.k_pre, self.v, layer)
+                    copy(layer)
                     self._ready[layer].set()
         except BaseException as e:  # surfaced to the consumer through wait_layer
             self._error, self._failed_layer = e, layer

@@ -3,6 +3,8 @@
 Contract of every ``KVReader``:
 - ``read_layer(i)`` -> (k, v), each [kv_heads, L, d], in memory the caller may keep;
 - ``read_layer_into(i, k_out, v_out)`` writes the same values into caller buffers (views allowed);
+- ``read_layer_bytes_into(i, k_out, v_out)`` is the same into uint8 numpy views of CPU buffers
+  [kv_heads, L, d * itemsize]: the loader's per-layer path, free of torch dispatch per copy;
 - a layer is verified before it is handed out; if the entry turns out corrupt, truncated, evicted
   or unreachable mid-read, ``KVReadError`` is raised and the caller must treat the chunk as a miss;
 - a reader is used by one thread at a time; ``close()`` releases its file / connection.
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 
 from kvblend.store.base import ChunkKV
-from kvblend.store.serializer import CorruptKVError, KVHeader, copy_layer_into
+from kvblend.store.serializer import CorruptKVError, KVHeader, copy_layer_bytes_into
 
 
 class KVReadError(Exception):
@@ -32,14 +34,28 @@ class KVReader(ABC):
     dtype: torch.dtype
 
     @abstractmethod
+    def read_layer_bytes_into(self, layer: int, k_out: np.ndarray, v_out: np.ndarray) -> None:
+        """Copy layer ``layer``'s raw bytes into k_out / v_out, uint8 [kv_heads, L, d * itemsize]
+        (the last axis unit-stride). Raises KVReadError."""
+
     def read_layer_into(self, layer: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         """Copy layer ``layer`` into k_out / v_out [kv_heads, L, d]. Raises KVReadError."""
+        shape = (self.kv_heads, self.seq_len, self.head_dim)
+        for out in (k_out, v_out):
+            if tuple(out.shape) != shape or out.dtype != self.dtype:  # caller bug: not a read error
+                raise ValueError(f"layer buffers must be {shape} {self.dtype}, got {tuple(out.shape)} {out.dtype}")
+        if k_out.device.type == "cpu" and v_out.device.type == "cpu":
+            self.read_layer_bytes_into(layer, byte_view(k_out), byte_view(v_out))
+        else:  # device buffers: read into host memory, then one transfer each
+            k, v = self.read_layer(layer)
+            k_out.copy_(k)
+            v_out.copy_(v)
 
     def read_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of one layer, each [kv_heads, L, d]. Raises KVReadError."""
+        """(k, v) of one layer, each [kv_heads, L, d], in fresh host memory. Raises KVReadError."""
         k = torch.empty((self.kv_heads, self.seq_len, self.head_dim), dtype=self.dtype)
         v = torch.empty_like(k)
-        self.read_layer_into(layer, k, v)
+        self.read_layer_bytes_into(layer, byte_view(k), byte_view(v))
         return k, v
 
     def read_all(self) -> ChunkKV:
@@ -67,24 +83,28 @@ class TensorReader(KVReader):
         self._kv = kv
         self.num_layers, self.kv_heads, self.seq_len, self.head_dim = kv.k.shape
         self.dtype = kv.k.dtype
+        # Byte views made once: per-layer copies are then numpy slicing + memcpy (loads run on a
+        # loader thread, where torch's copy pays OpenMP team start-up per call).
+        self._k_bytes = self._v_bytes = None
+        if kv.k.device.type == "cpu":
+            self._k_bytes, self._v_bytes = byte_view(kv.k), byte_view(kv.v)
 
     def read_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._kv.k[layer], self._kv.v[layer]
 
-    def read_layer_into(self, layer: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-        copy_tensor(k_out, self._kv.k[layer])
-        copy_tensor(v_out, self._kv.v[layer])
+    def read_layer_bytes_into(self, layer: int, k_out: np.ndarray, v_out: np.ndarray) -> None:
+        if self._k_bytes is None:
+            k_out[...] = byte_view(self._kv.k[layer].cpu())
+            v_out[...] = byte_view(self._kv.v[layer].cpu())
+            return
+        np.copyto(k_out, self._k_bytes[layer])
+        np.copyto(v_out, self._v_bytes[layer])
 
 
-def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``, but a plain memcpy for CPU tensors of one dtype. Loads run on a loader
-    thread, where torch's copy pays OpenMP team start-up per call (measured: ~3x slower than numpy's
-    copy for one example's 600 per-layer chunk copies)."""
-    if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype
-            and dst.shape == src.shape and dst.stride(-1) == 1 and src.stride(-1) == 1):
-        np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
-    else:
-        dst.copy_(src)
+def byte_view(t: torch.Tensor) -> np.ndarray:
+    """Writable uint8 numpy view of CPU tensor ``t`` [..., d] -> [..., d * itemsize] (last dim
+    unit-stride; the others may be strided, e.g. a row range of a prompt buffer)."""
+    return t.view(torch.uint8).numpy()
 
 
 # Fetches ``length`` bytes at ``offset`` of the stored blob; returns fewer if the blob is shorter.
@@ -109,16 +129,13 @@ class BlobReader(KVReader):
         self._parts: dict[int, bytes] | None = None
         self._closed = False
 
-    def read_layer_into(self, layer: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-        shape = self.header.layer_shape
-        if tuple(k_out.shape) != shape or tuple(v_out.shape) != shape:  # caller bug: not a read error
-            raise ValueError(f"layer buffers must be {shape}, got {tuple(k_out.shape)}, {tuple(v_out.shape)}")
+    def read_layer_bytes_into(self, layer: int, k_out: np.ndarray, v_out: np.ndarray) -> None:
         if self._closed:  # the fd / connection behind ``fetch`` may already belong to something else
             raise KVReadError("reader is closed")
         off, n = self.header.layer_span(layer)
         try:
             raw = self._fetch(off, n)
-            copy_layer_into(self.header, layer, raw, k_out, v_out)
+            copy_layer_bytes_into(self.header, layer, raw, k_out, v_out)
         except CorruptKVError as e:
             self._corrupt()
             raise KVReadError(str(e)) from e

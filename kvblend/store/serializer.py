@@ -170,17 +170,26 @@ def copy_layer_into(header: KVHeader, layer: int, raw: bytes | bytearray | memor
     written before the checksum passes. Raises CorruptKVError. Copies go through numpy so no torch
     tensor ever aliases read-only memory (bytes from redis, mmaps).
     """
-    _verify_layer(header, layer, raw)
     for out in (k_out, v_out):
         if tuple(out.shape) != header.layer_shape or out.dtype != header.dtype:
             raise ValueError(f"layer buffers must be {header.layer_shape} {header.dtype}, got {tuple(out.shape)} {out.dtype}")
+    copy_layer_bytes_into(header, layer, raw, _np_bytes(k_out), _np_bytes(v_out))
+
+
+def copy_layer_bytes_into(header: KVHeader, layer: int, raw: bytes | bytearray | memoryview,
+                          k_out: np.ndarray, v_out: np.ndarray) -> None:
+    """``copy_layer_into`` for uint8 views [kv_heads, L, d * itemsize] of the output buffers."""
+    _verify_layer(header, layer, raw)
+    row_bytes = header.head_dim * _itemsize(header.dtype)
+    shape = (header.kv_heads, header.seq_len, row_bytes)
+    if k_out.shape != shape or v_out.shape != shape:
+        raise ValueError(f"layer byte buffers must be {shape}, got {k_out.shape}, {v_out.shape}")
     half = len(raw) // 2
     if half == 0:
         return
     src = np.frombuffer(raw, dtype=np.uint8)
-    row_bytes = header.head_dim * _itemsize(header.dtype)
-    np.copyto(_np_bytes(k_out), src[:half].reshape(header.kv_heads, header.seq_len, row_bytes))
-    np.copyto(_np_bytes(v_out), src[half:].reshape(header.kv_heads, header.seq_len, row_bytes))
+    np.copyto(k_out, src[:half].reshape(shape))
+    np.copyto(v_out, src[half:].reshape(shape))
 
 
 def decode_layer(header: KVHeader, layer: int, raw: bytes | bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
