@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvblend.blend.rope import apply_rope
+from kvblend.blend.rope import apply_rope, halves_repeat
 from kvblend.blend.selection import causal_mask, select_top_tokens, token_deviation
 from kvblend.models.transformer import TransformerOps
 
@@ -87,6 +87,7 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
         raise ValueError(f"cache capacity {cache.capacity} < prompt length {T}")
     positions = torch.arange(T, device=ops.device)
     cos, sin = ops.rope_cos_sin(positions)  # [T, d]
+    halved = halves_repeat(cos, sin)
     k_pre, v_all = _working_buffers(ops, plan, cache)  # [L, Hkv, T, d] each; v_all is the cache's V
     active = plan.active_rows.to(ops.device)
     all_rows = active.numel() == T  # plain causal attention, no stored rows read this layer
@@ -107,22 +108,20 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
         k_pre[layer][:, active] = k
         v_all[layer][:, active] = v
         # Keys of every row at their absolute positions; stored rows are re-positioned here.
-        if all_rows:
-            cache.k[layer, :, :T] = apply_rope(k, cos, sin)
-        else:
-            cache.k[layer, :, :T] = apply_rope(k_pre[layer], cos, sin)
+        apply_rope(k if all_rows else k_pre[layer], cos, sin, out=cache.k[layer, :, :T], halved=halved)
         if keep is not None:  # shrink to the selected rows from this layer's attention on
-            q, h, active = q[:, keep], h[keep], active[keep]
+            # rows gathered in q_proj's own [A, Hq, d] layout, so grouping them stays a view
+            q, h, active = q.transpose(0, 1)[keep].transpose(0, 1), h[keep], active[keep]
             recomputed = active[plan.stored_mask[active.cpu()]].cpu()
             all_rows = active.numel() == T
-        q = apply_rope(q, cos[active], sin[active])
         if all_rows:
+            q = apply_rope(q, cos, sin, halved=halved)
             attn = ops.attend(q, cache.k[layer, :, :T], cache.v[layer, :, :T], None)
         else:
             if blocks is None or keep is not None:
                 blocks = row_blocks(active)
-            attn = torch.cat([ops.attend_block(q[:, blk.rows], cache.k[layer, :, :blk.num_keys],
-                                               cache.v[layer, :, :blk.num_keys], blk) for blk in blocks])
+            qg = grouped_queries(ops, q, cos[active], sin[active], halved)  # [Hkv, A * rep, d]
+            attn = ops.attend_rows(qg, cache.k[layer, :, :T], cache.v[layer, :, :T], blocks)
         h = ops.finish_layer(layer, h, attn)
     cache.length = T
     last_logits = ops.logits(h[-1:])[0]
@@ -139,27 +138,35 @@ class RowBlock:
     rows: slice  # local indices into the active rows
     split: int
     num_keys: int
-    tail_mask: torch.Tensor  # [len(rows), num_keys - split] bool, True = may attend
+    positions: torch.Tensor  # [len(rows)] absolute positions of the block's rows
     # Rows at consecutive positions split..num_keys-1: the tail is a square causal block, which a
     # causal kernel computes without a mask (prefix mode's suffix, the query run).
     contiguous: bool = False
-    _float_masks: dict = field(default_factory=dict)
+    _masks: dict = field(default_factory=dict)
+
+    @property
+    def tail_mask(self) -> torch.Tensor:
+        """[len(rows), num_keys - split] bool, True = may attend. Built on first use: a contiguous
+        block never needs it, and for a whole prompt it would be T x T."""
+        if "tail" not in self._masks:
+            self._masks["tail"] = causal_mask(self.positions, self.num_keys, first_key=self.split)
+        return self._masks["tail"]
 
     @property
     def mask(self) -> torch.Tensor:
         """The full [len(rows), num_keys] bool mask (reference path and tests)."""
-        head = torch.ones(self.tail_mask.shape[0], self.split, dtype=torch.bool, device=self.tail_mask.device)
-        return torch.cat([head, self.tail_mask], dim=1)
+        return causal_mask(self.positions, self.num_keys)
 
     def float_tail_mask(self, repeat: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive tail mask with rows tiled ``repeat`` times ([repeat*S, n]), for grouped-query attention
-        that stacks a KV head's query heads as extra rows. Built once per block, reused by every layer."""
+        """Additive tail mask with each row repeated ``repeat`` times in a row ([S*repeat, n]), for
+        grouped-query attention that keeps a KV head's query heads of one row adjacent. Built once per
+        block, reused by every layer."""
         key = (repeat, dtype)
-        if key not in self._float_masks:
-            m = torch.zeros(self.tail_mask.shape, dtype=dtype, device=self.tail_mask.device)
-            m.masked_fill_(~self.tail_mask, float("-inf"))
-            self._float_masks[key] = m.repeat(repeat, 1)
-        return self._float_masks[key]
+        if key not in self._masks:
+            tail = self.tail_mask
+            m = torch.zeros(tail.shape, dtype=dtype, device=tail.device).masked_fill_(~tail, float("-inf"))
+            self._masks[key] = m.repeat_interleave(repeat, dim=0)
+        return self._masks[key]
 
 
 def row_blocks(active: torch.Tensor, max_blocks: int = 4, min_rows: int = 64) -> list[RowBlock]:
@@ -177,9 +184,19 @@ def row_blocks(active: torch.Tensor, max_blocks: int = 4, min_rows: int = 64) ->
         if hi <= lo:
             continue
         split, num_keys = int(active[lo]), int(active[hi - 1]) + 1
-        tail = causal_mask(active[lo:hi], num_keys, first_key=split)
-        blocks.append(RowBlock(slice(lo, hi), split, num_keys, tail, contiguous=num_keys - split == hi - lo))
+        blocks.append(RowBlock(slice(lo, hi), split, num_keys, active[lo:hi], contiguous=num_keys - split == hi - lo))
     return blocks
+
+
+def grouped_queries(ops: TransformerOps, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    halved: bool | None = None) -> torch.Tensor:
+    """Pre-RoPE q [Hq, A, d] -> post-RoPE [Hkv, A * rep, d] with each row's ``rep`` query heads of a KV
+    head adjacent (the layout ``attend_rows`` slices by row). cos/sin: [A, d] of the rows' positions.
+    Rotating in row-major order and then permuting is faster than rotating into the permuted layout."""
+    num_rows = q.shape[1]
+    rows = apply_rope(q.transpose(0, 1), cos[:, None], sin[:, None], halved=halved)  # [A, Hq, d]
+    grouped = rows.view(num_rows, ops.num_kv_heads, ops.group_size, ops.head_dim).permute(1, 0, 2, 3)
+    return grouped.reshape(ops.num_kv_heads, num_rows * ops.group_size, ops.head_dim)
 
 
 def _working_buffers(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:

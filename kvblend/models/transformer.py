@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 class TransformerOps:
     def __init__(self, hf_model: torch.nn.Module):
+        hf_model.requires_grad_(False)  # inference only: no autograd graph behind any activation
         inner = hf_model.model
         cfg = hf_model.config
         self.config = cfg
@@ -31,6 +32,14 @@ class TransformerOps:
         self.dtype = self.embed_tokens.weight.dtype
         self.device = self.embed_tokens.weight.device
         self.max_position_embeddings = int(getattr(cfg, "max_position_embeddings", 4096))
+        # One matmul for q/k/v and one for gate/up per layer instead of three and two: a blend
+        # recomputes ~15% of rows, and at that size per-call overhead is a large share of a matmul.
+        self.qkv_proj = [_fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
+        self.qkv_split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                          self.num_kv_heads * self.head_dim]
+        self.fused_mlp = getattr(cfg, "hidden_act", None) == "silu" and all(
+            hasattr(l.mlp, "gate_proj") and hasattr(l.mlp, "up_proj") for l in self.layers)
+        self.gate_up_proj = [_fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers] if self.fused_mlp else []
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, head_dim] for absolute ``positions`` [N], via the model's own rotary module."""
@@ -45,11 +54,11 @@ class TransformerOps:
         """Pre-RoPE q [Hq, A, d], k [Hkv, A, d] and v [Hkv, A, d] of rows ``h`` [A, D]."""
         layer = self.layers[layer_idx]
         attn = layer.self_attn
-        x = layer.input_layernorm(h)
+        x = _rms_norm(layer.input_layernorm, h)
         n = x.shape[0]
-        q = attn.q_proj(x).view(n, -1, self.head_dim)
-        k = attn.k_proj(x).view(n, -1, self.head_dim)
-        v = attn.v_proj(x).view(n, -1, self.head_dim)
+        weight, bias = self.qkv_proj[layer_idx]
+        q, k, v = F.linear(x, weight, bias).split(self.qkv_split, dim=-1)  # views of one [A, (Hq+2Hkv)*d]
+        q, k, v = (t.view(n, -1, self.head_dim) for t in (q, k, v))
         if self.has_qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
@@ -67,46 +76,132 @@ class TransformerOps:
                                                  scale=self.scaling, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
-    def attend_block(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block) -> torch.Tensor:
-        """q [Hq, S, d] of one row block over k, v [Hkv, num_keys, d] -> [S, Hq * d].
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
 
-        On CPU the unmasked head [0, split) and the tail run as two flash-attention calls merged by
-        their log-sum-exp: a masked kernel is several times slower per score than a plain or causal one.
-        For the head (and a scattered tail) query heads sharing a KV head are stacked as rows, so K/V
-        are not repeated in memory; a contiguous tail is square and runs the causal kernel."""
-        if q.device.type != "cpu":
-            return self.attend(q, k, v, block.mask)
-        num_rows, rep, d = q.shape[1], self.num_heads // self.num_kv_heads, self.head_dim
-        if block.contiguous and block.split <= num_rows:
-            # A run after a short stored head (prefix mode, blend@1): pad the queries with the head's
-            # positions and run one causal kernel; the padded rows cost less than a merge would.
-            padded = torch.cat([q.new_zeros(q.shape[0], block.split, d), q], dim=1)
-            return self.attend(padded, k, v, None)[block.split:]
+    def attend_rows(self, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks) -> torch.Tensor:
+        """Attention of a sorted set of rows, block by block (``blocks``: RowBlocks over those rows).
+
+        qg [Hkv, A * rep, d]: post-RoPE queries grouped by KV head, a row's ``rep`` query heads
+        adjacent, so a block of rows is a contiguous slice and K/V are never repeated in memory.
+        k, v [Hkv, num_keys, d] (post-RoPE keys of every position). Returns [A, Hq * d].
+        """
+        rep, d = self.group_size, self.head_dim
+        num_rows = qg.shape[1] // rep
+        out = torch.empty(num_rows, self.num_kv_heads, rep, d, dtype=qg.dtype, device=qg.device)
+        grouped_out = out.permute(1, 0, 2, 3)  # [Hkv, A, rep, d] view: blocks write in place
+        for blk in blocks:
+            lo, hi = blk.rows.start, blk.rows.stop
+            qb = qg[:, lo * rep: hi * rep]  # [Hkv, n * rep, d]
+            if qg.device.type != "cpu":
+                res = self.attend(_heads_major(qb, rep), k[:, :blk.num_keys], v[:, :blk.num_keys], blk.mask)
+                out[lo:hi] = res.view(hi - lo, self.num_kv_heads, rep, d)
+            else:
+                self._attend_block_cpu(qb, k, v, blk, grouped_out[:, lo:hi])
+        return out.view(num_rows, -1)
+
+    def _attend_block_cpu(self, qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk, dst: torch.Tensor) -> None:
+        """One block into dst [Hkv, n, rep, d]. Keys [0, split) precede every row: one unmasked flash
+        call; the tail [split, num_keys) runs masked (or causal when the rows are consecutive); the two
+        partial results merge by their log-sum-exp. A masked kernel is slower per score, hence the split."""
+        rep, d = self.group_size, self.head_dim
+        n = qb.shape[1] // rep
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        qg = q.reshape(self.num_kv_heads, rep * num_rows, d)[None]  # [1, Hkv, rep*S, d]
-        k_tail, v_tail = k[None, :, block.split:], v[None, :, block.split:]
-        if block.contiguous:
-            out, lse = flash(q[None], k_tail.repeat_interleave(rep, 1), v_tail.repeat_interleave(rep, 1),
-                             0.0, True, scale=self.scaling)  # [1, Hq, S, d], [1, Hq, S]
-            out, lse = out.reshape(qg.shape), lse.reshape(qg.shape[:3])
+        k_tail, v_tail = k[None, :, blk.split:blk.num_keys], v[None, :, blk.split:blk.num_keys]
+        if blk.contiguous:
+            qh = _heads_major(qb, rep)  # causal masks need one query head per row
+            if blk.split <= n:
+                # A run after a short stored head (prefix mode, blend@1): pad the queries with the
+                # head's positions and run one causal kernel; the padded rows cost less than a merge.
+                padded = torch.cat([qh.new_zeros(qh.shape[0], blk.split, d), qh], dim=1)
+                res = self.attend(padded, k[:, :blk.num_keys], v[:, :blk.num_keys], None)[blk.split:]
+                dst.copy_(res.view(n, self.num_kv_heads, rep, d).transpose(0, 1))
+                return
+            tail_out, tail_lse = flash(qh[None], k_tail.repeat_interleave(rep, 1), v_tail.repeat_interleave(rep, 1),
+                                       0.0, True, scale=self.scaling)  # [1, Hq, n, d], [1, Hq, n]
+            tail_out = tail_out[0].view(self.num_kv_heads, rep, n, d).transpose(1, 2)  # [Hkv, n, rep, d]
+            tail_lse = tail_lse[0].view(self.num_kv_heads, rep, n).transpose(1, 2)
         else:
-            out, lse = flash(qg, k_tail, v_tail, 0.0, False, attn_mask=block.float_tail_mask(rep, q.dtype),
-                             scale=self.scaling)
-        if block.split > 0:
-            head_out, head_lse = flash(qg, k[None, :, :block.split], v[None, :, :block.split], 0.0, False,
-                                       scale=self.scaling)
-            # softmax over both key ranges = the two partial results weighted by their mass
-            w_head = torch.sigmoid(head_lse - lse)[..., None]
-            out = torch.lerp(out.float(), head_out.float(), w_head).to(q.dtype)
-        # [1, Hkv, rep*S, d] -> [Hq, S, d] -> [S, Hq*d]
-        return out[0].reshape(self.num_heads, num_rows, d).transpose(0, 1).reshape(num_rows, -1)
+            tail_out, tail_lse = flash(qb[None], k_tail, v_tail, 0.0, False, scale=self.scaling,
+                                       attn_mask=blk.float_tail_mask(rep, qb.dtype))
+            tail_out = tail_out[0].view(self.num_kv_heads, n, rep, d)
+            tail_lse = tail_lse[0].view(self.num_kv_heads, n, rep)
+        if blk.split == 0:
+            dst.copy_(tail_out)
+            return
+        head_out, head_lse = flash(qb[None], k[None, :, :blk.split], v[None, :, :blk.split], 0.0, False,
+                                   scale=self.scaling)
+        # softmax over both key ranges = the two partial results weighted by their mass
+        weight = torch.sigmoid(head_lse[0].view(self.num_kv_heads, n, rep) - tail_lse).unsqueeze(-1)
+        torch.lerp(tail_out, head_out[0].view(self.num_kv_heads, n, rep, d), weight.to(qb.dtype), out=dst)
 
     def finish_layer(self, layer_idx: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj, then residual + MLP. h, attn_out: [S, D] / [S, Hq*d] -> [S, D]."""
         layer = self.layers[layer_idx]
         h = h + layer.self_attn.o_proj(attn_out)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        x = _rms_norm(layer.post_attention_layernorm, h)
+        if not self.fused_mlp:
+            return h + layer.mlp(x)
+        weight, bias = self.gate_up_proj[layer_idx]
+        gate_up = F.linear(x, weight, bias)  # [S, 2 * intermediate]
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate).mul_(up)
+        return h + layer.mlp.down_proj(act)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[S, D] -> float32 logits [S, vocab]."""
-        return self.lm_head(self.final_norm(h)).float()
+        return self.lm_head(_rms_norm(self.final_norm, h)).float()
+
+
+def _heads_major(qg: torch.Tensor, rep: int) -> torch.Tensor:
+    """[Hkv, n * rep, d] grouped queries -> [Hq, n, d] (query head h = kv head h // rep, as HF's repeat_kv)."""
+    num_kv_heads, rows, d = qg.shape
+    return qg.view(num_kv_heads, rows // rep, rep, d).transpose(1, 2).reshape(num_kv_heads * rep, rows // rep, d)
+
+
+def _fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One (weight [sum(out), in], bias or None) for linears sharing an input. The modules' own
+    parameters are re-pointed at slices of it, so the model keeps working and memory is not doubled."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    has_bias = [lin.bias is not None for lin in linears]
+    bias = None
+    if any(has_bias):
+        bias = torch.cat([lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
+                          for lin in linears])
+    row = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight = torch.nn.Parameter(weight[row: row + n], requires_grad=False)
+        if lin.bias is not None:
+            lin.bias = torch.nn.Parameter(bias[row: row + n], requires_grad=False)
+        row += n
+    return weight, bias
+
+
+def _rms_norm(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The model's RMSNorm through torch's fused kernel (HF's module converts to fp32 and back in
+    four separate passes); modules of another shape run as they are."""
+    eps = getattr(norm, "variance_epsilon", None)
+    weight = getattr(norm, "weight", None)
+    if eps is None or weight is None or type(norm).forward is not _HF_RMS_FORWARDS.get(type(norm).__name__, None):
+        return norm(h)
+    return F.rms_norm(h, (h.shape[-1],), weight, eps)
+
+
+def _hf_rms_forwards() -> dict:
+    """forward functions of the HF RMSNorm classes whose math F.rms_norm reproduces
+    (x * rsqrt(mean(x^2) + eps) * weight, in fp32, no offset on the weight)."""
+    found = {}
+    for module, name in [("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("qwen2", "Qwen2RMSNorm"),
+                         ("qwen3", "Qwen3RMSNorm")]:
+        try:
+            mod = __import__(f"transformers.models.{module}.modeling_{module}", fromlist=[name])
+            found[name] = getattr(mod, name).forward
+        except (ImportError, AttributeError):
+            continue
+    return found
+
+
+_HF_RMS_FORWARDS = _hf_rms_forwards()
