@@ -75,15 +75,19 @@ def load_sync(sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tensor) -
 
 
 class LayerwiseLoader:
-    """Fills k_pre / v [layers, kv_heads, T, d] layer by layer on a background thread.
+    """Fills k_pre / v [layers, kv_heads, T, d] layer by layer on background threads.
 
     Contract: after ``wait_layer(i)`` returns, layer i of every source's rows is in place and will
     not be written again; rows not covered by a source are never touched. The loader does not own the
     readers' lifetimes unless ``close_readers`` (then ``close()`` closes them).
+
+    ``num_threads`` threads split the sources (each reader stays on one thread, as readers require)
+    and go through the layers in order; a layer is ready when every thread has copied its share.
+    One thread copies at about single-core memcpy speed; two reach about what a two-core memcpy does.
     """
 
     def __init__(self, sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tensor, *,
-                 start: bool = True, close_readers: bool = False):
+                 start: bool = True, close_readers: bool = False, num_threads: int = 2):
         _check_sources(sources, k_pre, v)
         self.sources, self.k_pre, self.v = list(sources), k_pre, v
         self.num_layers = k_pre.shape[0]
@@ -92,26 +96,39 @@ class LayerwiseLoader:
         self._failed_layer = self.num_layers  # layers >= this one were not loaded
         self._stop = threading.Event()
         self._close_readers = close_readers
-        self._thread = threading.Thread(target=self._run, name="kvblend-kv-loader", daemon=True)
+        shares = [self.sources[i::max(1, num_threads)] for i in range(max(1, num_threads))]
+        shares = [share for share in shares if share] or [[]]
+        self._lock = threading.Lock()
+        self._pending = [len(shares)] * self.num_layers  # threads still copying each layer
+        self._threads = [threading.Thread(target=self._run, args=(share,), name=f"kvblend-kv-loader-{i}", daemon=True)
+                         for i, share in enumerate(shares)]
         if start:
             self.start()
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
-    def _run(self) -> None:
+    def _run(self, share: list[Source]) -> None:
         layer = 0
         # Inference mode is thread-local: buffers allocated under it can only be written under it.
         try:
             with torch.inference_mode(torch.is_inference(self.k_pre)):
-                copy = _LayerCopier(self.sources, self.k_pre, self.v)
+                copy = _LayerCopier(share, self.k_pre, self.v)
                 for layer in range(self.num_layers):
                     if self._stop.is_set():
                         raise KVReadError("loader closed before layer was loaded")
                     copy(layer)
-                    self._ready[layer].set()
+                    with self._lock:
+                        self._pending[layer] -= 1
+                        done = self._pending[layer] == 0
+                    if done:
+                        self._ready[layer].set()
         except BaseException as e:  # surfaced to the consumer through wait_layer
-            self._error, self._failed_layer = e, layer
+            self._stop.set()  # the other threads' later layers are lost anyway
+            with self._lock:
+                if layer < self._failed_layer:
+                    self._error, self._failed_layer = e, layer
             for ev in self._ready[layer:]:
                 ev.set()  # wake every waiter; they see the error
 
@@ -133,10 +150,11 @@ class LayerwiseLoader:
         return self._error
 
     def close(self) -> None:
-        """Stop after the layer in flight, join the thread, and close readers if owned. Idempotent."""
+        """Stop after the layer in flight, join the threads, and close readers if owned. Idempotent."""
         self._stop.set()
-        if self._thread.is_alive() or self._thread.ident is not None:
-            self._thread.join()
+        for thread in self._threads:
+            if thread.ident is not None:
+                thread.join()
         if self._close_readers:
             for reader, _ in self.sources:
                 reader.close()
