@@ -6,6 +6,7 @@ same argmax (bf16 rounding of different kernel orders moves logits by up to ~0.6
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -16,8 +17,11 @@ from kvblend.blend.blender import KVCache, PrefillPlan, row_blocks, run_prefill
 from kvblend.blend.rope import apply_rope, unapply_rope
 from kvblend.engine.engine import ContextLengthError
 from kvblend.engine.request import GenerationRequest, SamplingParams
+from kvblend.engine.kv_loader import LayerwiseLoader
 from kvblend.models.loader import ModelLoadError
+from kvblend.store.base import ChunkKV
 from kvblend.store.memory import MemoryStore
+from kvblend.store.reader import KVReader, TensorReader
 
 FP32_ATOL = 1e-3
 BF16_ATOL = 1.0
@@ -105,6 +109,39 @@ def test_exact_kv_with_any_active_subset_equals_full():
     plan = PrefillPlan(ids, ref.fresh_k.clone(), ref.fresh_v.clone(), torch.ones(T, dtype=torch.bool), active)
     out = run_prefill(engine.ops, plan, KVCache.allocate(engine.ops, T))
     assert (out.last_logits - ref.last_logits).abs().max().item() <= FP32_ATOL
+
+
+class _SlowReader(KVReader):
+    """A TensorReader that takes ``delay`` seconds per layer: the loader lags the layer loop."""
+
+    def __init__(self, inner: TensorReader, delay: float):
+        self.inner, self.delay = inner, delay
+        self.num_layers, self.kv_heads, self.seq_len = inner.num_layers, inner.kv_heads, inner.seq_len
+        self.head_dim, self.dtype = inner.head_dim, inner.dtype
+
+    def read_layer_bytes_into(self, layer, k_out, v_out):
+        time.sleep(self.delay)
+        self.inner.read_layer_bytes_into(layer, k_out, v_out)
+
+
+def test_rows_computed_everywhere_still_wait_for_a_lagging_loader(tmp_path):
+    """When every row is computed (blend@1 after the check layer) the loop still waits for each layer's
+    load: the loader writes the same rows, and a late write would replace fresh K/V with stored ones."""
+    engine = tiny_engine(tiny_model_dir(tmp_path, "llama"))
+    ops = engine.ops
+    segs = engine.segments(["one two three " * 20, "four five six " * 25], "Question: sum?")
+    ids, T = torch.tensor(segs.token_ids), segs.num_tokens
+    ref = run_prefill(ops, PrefillPlan(ids, None, None, torch.zeros(T, dtype=torch.bool), torch.arange(T)),
+                      KVCache.allocate(ops, T))
+    junk = ChunkKV(torch.randn_like(ref.fresh_k) * 50, torch.randn_like(ref.fresh_v) * 50)  # must never win
+    cache = KVCache.allocate(ops, T)
+    k_pre = torch.empty_like(ref.fresh_k)
+    with LayerwiseLoader([(_SlowReader(TensorReader(junk), 0.05), 0)], k_pre, cache.v[:, :, :T]) as loader:
+        plan = PrefillPlan(ids, k_pre, cache.v[:, :, :T], torch.ones(T, dtype=torch.bool), torch.arange(T),
+                           (1,), (T,), "v", loader.wait_layer)
+        out = run_prefill(ops, plan, cache)
+    assert (out.last_logits - ref.last_logits).abs().max().item() <= FP32_ATOL
+    assert torch.equal(cache.v[:, :, :T], ref.fresh_v)
 
 
 def test_row_blocks_mask_is_exact_causal():

@@ -97,9 +97,10 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
     recomputed = torch.empty(0, dtype=torch.long)
     blocks = None  # attention blocks of the active rows, rebuilt when the active set shrinks
     for layer in range(ops.num_layers):
-        if has_stored and (not all_rows or layer in checks):
-            if plan.wait_layer is not None:
-                plan.wait_layer(layer)
+        if has_stored and plan.wait_layer is not None:
+            # Also when every row is computed (blend@1 after the check layer): fresh rows overwrite
+            # stored ones in these buffers, so the loader must be done with the layer first.
+            plan.wait_layer(layer)
         q, k, v = ops.qkv(layer, h)  # [Hq, A, d], [Hkv, A, d] x2, pre-RoPE
         if layer in checks:
             keep = _check_rows(plan, active, k, v, k_pre[layer], v_all[layer], checks[layer])

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kvblend.blend.blender import KVCache, PrefillPlan, run_prefill
-from kvblend.blend.rope import apply_rope
+from kvblend.blend.rope import apply_rope, halves_repeat
 from kvblend.blend.segmenter import (CHUNK_SEPARATOR, Segments, build_segments, build_segments_from_parts,
                                      encode, render_template_halves, split_plain_text)
 from kvblend.blend.selection import num_to_keep
@@ -389,10 +389,11 @@ class Engine:
         ids = torch.tensor([s.generated[-1] for s in batch], dtype=torch.long)
         lengths = [s.cache.length for s in batch]
         cos, sin = ops.rope_cos_sin(torch.tensor(lengths))  # [B, d]: each row at its own position
+        halved = halves_repeat(cos, sin)  # once per step, not per layer
         h = ops.embed(ids)  # [B, D]
         for layer in range(ops.num_layers):
             q, k, v = ops.qkv(layer, h)  # [Hq, B, d], [Hkv, B, d]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, cos, sin, halved=halved), apply_rope(k, cos, sin, halved=halved)
             outs = []
             for b, s in enumerate(batch):  # attention per sequence: caches differ in length
                 n = lengths[b]
