@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvblend.store.base import ChunkKV
-from kvblend.store.serializer import CorruptKVError, KVHeader, copy_layer_bytes_into
+from kvblend.store.serializer import CorruptKVError, KVHeader, byte_view, copy_layer_bytes_into
 
 
 class KVReadError(Exception):
@@ -99,12 +99,6 @@ class TensorReader(KVReader):
             return
         np.copyto(k_out, self._k_bytes[layer])
         np.copyto(v_out, self._v_bytes[layer])
-
-
-def byte_view(t: torch.Tensor) -> np.ndarray:
-    """Writable uint8 numpy view of CPU tensor ``t`` [..., d] -> [..., d * itemsize] (last dim
-    unit-stride; the others may be strided, e.g. a row range of a prompt buffer)."""
-    return t.view(torch.uint8).numpy()
 
 
 # Fetches ``length`` bytes at ``offset`` of the stored blob; returns fewer if the blob is shorter.

@@ -157,8 +157,9 @@ def _verify_layer(header: KVHeader, layer: int, raw: bytes | bytearray | memoryv
         raise CorruptKVError(f"layer {layer}: checksum mismatch")
 
 
-def _np_bytes(t: torch.Tensor) -> np.ndarray:
-    """Writable uint8 numpy view of ``t`` [..., d] (last dim must be unit-stride; others may not be)."""
+def byte_view(t: torch.Tensor) -> np.ndarray:
+    """Writable uint8 numpy view of CPU tensor ``t`` [..., d] -> [..., d * itemsize] (last dim
+    unit-stride; the others may be strided, e.g. a row range of a prompt buffer)."""
     return t.view(torch.uint8).numpy()
 
 
@@ -173,7 +174,7 @@ def copy_layer_into(header: KVHeader, layer: int, raw: bytes | bytearray | memor
     for out in (k_out, v_out):
         if tuple(out.shape) != header.layer_shape or out.dtype != header.dtype:
             raise ValueError(f"layer buffers must be {header.layer_shape} {header.dtype}, got {tuple(out.shape)} {out.dtype}")
-    copy_layer_bytes_into(header, layer, raw, _np_bytes(k_out), _np_bytes(v_out))
+    copy_layer_bytes_into(header, layer, raw, byte_view(k_out), byte_view(v_out))
 
 
 def copy_layer_bytes_into(header: KVHeader, layer: int, raw: bytes | bytearray | memoryview,
