@@ -90,6 +90,20 @@ def test_failure_mid_load_surfaces_from_that_layer_on():
         assert isinstance(loader.error, KVReadError)
 
 
+def test_one_thread_failing_does_not_cut_short_the_others():
+    """The loader's threads split the chunks; one failing at layer 3 must not stop another thread from
+    delivering layers 0..2, even when that thread is behind."""
+    kv = make_kv(layers=LAYERS, heads=HEADS, seq_len=4, dim=DIM)
+    k, v = _buffers(8)
+    behind = GatedReader(TensorReader(kv), gate_layer=0)
+    with LayerwiseLoader([(behind, 0), (GatedReader(TensorReader(kv), fail_layer=3), 4)], k, v) as loader:
+        with pytest.raises(KVReadError):
+            loader.wait_layer(3, timeout=5)  # the other thread has failed
+        behind.release.set()
+        loader.wait_layer(2, timeout=5)
+    assert torch.equal(bits(k[:3, :, :4]), bits(kv.k[:3])) and torch.equal(bits(v[:3, :, 4:]), bits(kv.v[:3]))
+
+
 def test_close_before_done_does_not_hang_and_rejects_bad_geometry():
     kv = make_kv(layers=LAYERS, heads=HEADS, seq_len=4, dim=DIM)
     reader = GatedReader(TensorReader(kv), gate_layer=1)

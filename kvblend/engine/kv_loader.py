@@ -21,7 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvblend.store.reader import KVReader, KVReadError, byte_view
+from kvblend.store.reader import KVReader, KVReadError
+from kvblend.store.serializer import byte_view
 
 Source = tuple[KVReader, int]  # (reader of one chunk, first destination row of that chunk)
 
@@ -96,8 +97,8 @@ class LayerwiseLoader:
         self._failed_layer = self.num_layers  # layers >= this one were not loaded
         self._stop = threading.Event()
         self._close_readers = close_readers
-        shares = [self.sources[i::max(1, num_threads)] for i in range(max(1, num_threads))]
-        shares = [share for share in shares if share] or [[]]
+        num_threads = max(1, min(num_threads, len(self.sources)))
+        shares = [self.sources[i::num_threads] for i in range(num_threads)]  # one thread per reader
         self._lock = threading.Lock()
         self._pending = [len(shares)] * self.num_layers  # threads still copying each layer
         self._threads = [threading.Thread(target=self._run, args=(share,), name=f"kvblend-kv-loader-{i}", daemon=True)
@@ -118,6 +119,8 @@ class LayerwiseLoader:
                 for layer in range(self.num_layers):
                     if self._stop.is_set():
                         raise KVReadError("loader closed before layer was loaded")
+                    if layer >= self._failed_layer:  # another thread failed at or before this layer
+                        return
                     copy(layer)
                     with self._lock:
                         self._pending[layer] -= 1
@@ -125,7 +128,7 @@ class LayerwiseLoader:
                     if done:
                         self._ready[layer].set()
         except BaseException as e:  # surfaced to the consumer through wait_layer
-            self._stop.set()  # the other threads' later layers are lost anyway
+            # Not a stop for the other threads: layers before this one must still complete.
             with self._lock:
                 if layer < self._failed_layer:
                     self._error, self._failed_layer = e, layer
