@@ -15,6 +15,9 @@ from pathlib import Path
 PREFILL_MODES = ("full", "prefix", "reuse", "blend")
 DEVIATION_KINDS = ("v", "k", "kv")
 DTYPES = ("bfloat16", "float32", "float16")
+# Prefill attention: "auto" uses the native AMX kernel (kvblend/kernels) where it applies (bf16 on a CPU
+# with AMX, head_dim 64) and PyTorch's kernels elsewhere; "amx" requires it; "torch" never uses it.
+ATTENTION_KERNELS = ("auto", "amx", "torch")
 
 
 def default_cache_dir() -> Path:
@@ -25,6 +28,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvblend"
 
 
+def default_attention_kernel() -> str:
+    """``KVBLEND_ATTENTION_KERNEL`` (auto / amx / torch), default auto."""
+    return os.environ.get("KVBLEND_ATTENTION_KERNEL") or "auto"
+
+
 @dataclass
 class ModelConfig:
     # A local HF dir (safetensors), a .gguf file, or "" for the embedded SmolLM2-135M-Instruct.
@@ -33,10 +41,13 @@ class ModelConfig:
     device: str = "cpu"
     num_threads: int = 0  # 0: leave torch's default
     cache_dir: Path = field(default_factory=default_cache_dir)
+    attention_kernel: str = field(default_factory=default_attention_kernel)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         self.cache_dir = Path(self.cache_dir)

@@ -80,53 +80,123 @@ class PrefillOutput:
     recomputed_rows: torch.Tensor  # stored rows still active after the last check layer
 
 
+# Hidden rows are padded to a multiple of this: oneDNN builds a matmul primitive per new row count
+# (3-7 ms each, four shapes a layer), and without padding every request's recomputed set is a new count.
+ROW_ALIGN = 16
+
+
 def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> PrefillOutput:
     """Run the layer loop of ``plan``, filling ``cache`` rows [0, T). Returns last-token logits."""
     T = plan.num_tokens
     if cache.capacity < T:
         raise ValueError(f"cache capacity {cache.capacity} < prompt length {T}")
-    positions = torch.arange(T, device=ops.device)
-    cos, sin = ops.rope_cos_sin(positions)  # [T, d]
-    halved = halves_repeat(cos, sin)
+    attention = create_attention(ops, T)
     k_pre, v_all = _working_buffers(ops, plan, cache)  # [L, Hkv, T, d] each; v_all is the cache's V
     active = plan.active_rows.to(ops.device)
-    all_rows = active.numel() == T  # plain causal attention, no stored rows read this layer
     has_stored = bool(plan.stored_mask.any())
     checks = dict(zip(plan.check_layers, plan.check_keep))
-    h = ops.embed(plan.token_ids[active])  # [A, D]
+    last_layer = ops.num_layers - 1
+    h = _pad_rows(ops.embed(plan.token_ids[active]))  # [A + pad, D]; rows past A are zeros, never read
     recomputed = torch.empty(0, dtype=torch.long)
-    blocks = None  # attention blocks of the active rows, rebuilt when the active set shrinks
     for layer in range(ops.num_layers):
         if has_stored and plan.wait_layer is not None:
             # Also when every row is computed (blend@1 after the check layer): fresh rows overwrite
             # stored ones in these buffers, so the loader must be done with the layer first.
             plan.wait_layer(layer)
-        q, k, v = ops.qkv(layer, h)  # [Hq, A, d], [Hkv, A, d] x2, pre-RoPE
+        n = active.numel()
+        q, k, v = (t[:, :n] for t in ops.qkv(layer, h))  # [Hq, A, d], [Hkv, A, d] x2, pre-RoPE
+        keep = None
         if layer in checks:
             keep = _check_rows(plan, active, k, v, k_pre[layer], v_all[layer], checks[layer])
-        else:
-            keep = None
-        k_pre[layer][:, active] = k
-        v_all[layer][:, active] = v
-        # Keys of every row at their absolute positions; stored rows are re-positioned here.
-        apply_rope(k if all_rows else k_pre[layer], cos, sin, out=cache.k[layer, :, :T], halved=halved)
+        _write_rows(k_pre[layer], k, active, T)
+        _write_rows(v_all[layer], v, active, T)
         if keep is not None:  # shrink to the selected rows from this layer's attention on
             # rows gathered in q_proj's own [A, Hq, d] layout, so grouping them stays a view
-            q, h, active = q.transpose(0, 1)[keep].transpose(0, 1), h[keep], active[keep]
+            q, h, active = q.transpose(0, 1)[keep].transpose(0, 1), _pad_rows(h[keep]), active[keep]
             recomputed = active[plan.stored_mask[active.cpu()]].cpu()
-            all_rows = active.numel() == T
-        if all_rows:
-            q = apply_rope(q, cos, sin, halved=halved)
-            attn = ops.attend(q, cache.k[layer, :, :T], cache.v[layer, :, :T], None)
-        else:
-            if blocks is None or keep is not None:
-                blocks = row_blocks(active)
-            qg = grouped_queries(ops, q, cos[active], sin[active], halved)  # [Hkv, A * rep, d]
-            attn = ops.attend_rows(qg, cache.k[layer, :, :T], cache.v[layer, :, :T], blocks)
-        h = ops.finish_layer(layer, h, attn)
+        if layer == last_layer and active.numel() > 1:
+            # Every row's K/V of this layer is written; only the last row's output (the logits) is read.
+            last = active.numel() - 1
+            q, h, active = q[:, last:], h[last:last + 1], active[last:]
+        attn = attention(layer, q, k_pre[layer], v_all[layer], cache.k[layer, :, :T], active)  # [A, Hq * d]
+        h = ops.finish_layer(layer, h, _pad_rows(attn, h.shape[0]))
     cache.length = T
-    last_logits = ops.logits(h[-1:])[0]
+    last_logits = ops.logits(h[active.numel() - 1:active.numel()])[0]
     return PrefillOutput(last_logits, k_pre, v_all, recomputed)
+
+
+def _pad_rows(x: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
+    """x [A, D] with zero rows appended up to ``num_rows`` (default: A rounded up to ROW_ALIGN)."""
+    if num_rows is None:
+        num_rows = -(-x.shape[0] // ROW_ALIGN) * ROW_ALIGN
+    if num_rows == x.shape[0]:
+        return x
+    return torch.cat([x, x.new_zeros(num_rows - x.shape[0], x.shape[1])])
+
+
+def _write_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, num_rows: int) -> None:
+    """dst[:, rows] = src ([Hkv, A, d]); a plain copy when the rows are all of them (no index_put)."""
+    if rows.numel() == num_rows:
+        dst.copy_(src)
+    else:
+        dst[:, rows] = src
+
+
+def create_attention(ops: TransformerOps, num_tokens: int):
+    """The attention of one prefill: the native AMX kernel where the model's ops carry it (bf16 CPU,
+    RoPE tables of the repeated-half form), else PyTorch's SDPA kernels. Both are called as
+    ``attention(layer, q, k_pre, v, k_cache, active)`` and also write the layer's rotated keys."""
+    if ops.rows_attention is not None:
+        tables = ops.rope_half_tables(num_tokens)
+        if tables is not None:
+            return KernelAttention(ops, tables, num_tokens)
+    return TorchAttention(ops, num_tokens)
+
+
+class KernelAttention:
+    """One native call per layer: rotates every key into the cache, then attends the active rows with an
+    exact causal mask by position (kvblend/kernels/rows_attention.c)."""
+
+    def __init__(self, ops: TransformerOps, rope_half: tuple[torch.Tensor, torch.Tensor], num_tokens: int):
+        self.ops, self.rope_half = ops, rope_half
+        kernel = ops.rows_attention
+        # packed K/V, reused by every layer so its pages are faulted in once per prefill
+        self.scratch = torch.empty(kernel.scratch_bytes(num_tokens, ops.num_kv_heads), dtype=torch.uint8)
+        self.num_threads = torch.get_num_threads()
+
+    def __call__(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 active: torch.Tensor) -> torch.Tensor:
+        """q [Hq, A, d] pre-RoPE of rows ``active``; k_pre, v, k_cache [Hkv, T, d]. Returns [A, Hq * d]."""
+        ops = self.ops
+        out = torch.empty(q.shape[1], ops.num_heads * ops.head_dim, dtype=q.dtype, device=q.device)
+        return ops.rows_attention(q.transpose(0, 1), k_pre, v, k_cache, self.rope_half, active, ops.scaling,
+                                  out, self.scratch, self.num_threads)
+
+
+class TorchAttention:
+    """PyTorch kernels: causal SDPA when every row is active, else position blocks (``row_blocks``)
+    of grouped queries through ``TransformerOps.attend_rows``."""
+
+    def __init__(self, ops: TransformerOps, num_tokens: int):
+        self.ops = ops
+        self.num_tokens = num_tokens
+        positions = torch.arange(num_tokens, device=ops.device)
+        self.cos, self.sin = ops.rope_cos_sin(positions)  # [T, d]
+        self.halved = halves_repeat(self.cos, self.sin)
+        self._blocks_for: torch.Tensor | None = None  # the active rows the cached blocks describe
+        self._blocks: list[RowBlock] = []
+
+    def __call__(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 active: torch.Tensor) -> torch.Tensor:
+        ops, cos, sin = self.ops, self.cos, self.sin
+        # Keys of every row at their absolute positions; stored rows are re-positioned here.
+        apply_rope(k_pre, cos, sin, out=k_cache, halved=self.halved)
+        if active.numel() == self.num_tokens:
+            return ops.attend(apply_rope(q, cos, sin, halved=self.halved), k_cache, v, None)
+        if self._blocks_for is not active:  # rebuilt when the active set shrinks
+            self._blocks_for, self._blocks = active, row_blocks(active)
+        qg = grouped_queries(ops, q, cos[active], sin[active], self.halved)  # [Hkv, A * rep, d]
+        return ops.attend_rows(qg, k_cache, v, self._blocks)
 
 
 @dataclass

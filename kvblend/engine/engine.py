@@ -25,6 +25,7 @@ from kvblend.engine.request import (GenerationRequest, GenerationResult, Prefill
                                     TokenEvent)
 from kvblend.engine.sampler import create_generator, sample
 from kvblend.models.loader import EMBEDDED_MODEL_ID, LoadedModel, load_model
+from kvblend.kernels import HEAD_DIM, KernelUnavailable, load_rows_attention
 from kvblend.models.transformer import TransformerOps
 from kvblend.engine.kv_loader import LayerwiseLoader, load_sync
 from kvblend.store.base import ChunkKV, KVStore
@@ -84,7 +85,8 @@ class Engine:
         self.loaded = loaded
         self.store = store
         self.tokenizer = loaded.tokenizer
-        self.ops = TransformerOps(loaded.hf_model)
+        self.ops = TransformerOps(loaded.hf_model, rows_attention=_rows_attention_kernel(config.model, loaded))
+        self.attention_kernel = "amx" if self.ops.rows_attention is not None else "torch"
         self.fingerprint = loaded.fingerprint
         self.model_id = _model_id(config.model.model, loaded)
         self.max_context_len = self.ops.max_position_embeddings
@@ -488,6 +490,29 @@ def _model_id(model_ref: str, loaded: LoadedModel) -> str:
         return EMBEDDED_MODEL_ID
     ref = Path(model_ref)
     return ref.stem if ref.suffix == ".gguf" else loaded.model_dir.name
+
+
+def _rows_attention_kernel(cfg, loaded: LoadedModel):
+    """The native AMX attention kernel when ``cfg.attention_kernel`` allows it and it applies (bf16 on the
+    CPU, head_dim 64), else None (PyTorch kernels). "amx" makes every reason it cannot run an error."""
+    if cfg.attention_kernel == "torch":
+        return None
+    hf_cfg = loaded.hf_model.config
+    head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    reason = None
+    if cfg.dtype != "bfloat16" or cfg.device != "cpu":
+        reason = f"it runs bfloat16 on the CPU only (this engine: {cfg.dtype} on {cfg.device})"
+    elif head_dim != HEAD_DIM:
+        reason = f"it handles head_dim {HEAD_DIM} only (this model: {head_dim})"
+    else:
+        try:
+            return load_rows_attention(cfg.cache_dir)
+        except KernelUnavailable as e:
+            reason = str(e)
+    if cfg.attention_kernel == "amx":
+        raise ValueError(f"attention_kernel=amx, but the AMX kernel cannot be used: {reason}")
+    log.info("prefill attention uses PyTorch kernels: the AMX kernel %s", reason)
+    return None
 
 
 def create_engine(config: EngineConfig | None = None, store: KVStore | None = None) -> Engine:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 
 class TransformerOps:
-    def __init__(self, hf_model: torch.nn.Module):
+    def __init__(self, hf_model: torch.nn.Module, rows_attention=None):
         hf_model.requires_grad_(False)  # inference only: no autograd graph behind any activation
         inner = hf_model.model
         cfg = hf_model.config
@@ -40,6 +40,19 @@ class TransformerOps:
         self.fused_mlp = getattr(cfg, "hidden_act", None) == "silu" and all(
             hasattr(l.mlp, "gate_proj") and hasattr(l.mlp, "up_proj") for l in self.layers)
         self.gate_up_proj = [_fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers] if self.fused_mlp else []
+        # kvblend.kernels.RowsAttention (bf16 AMX attention with RoPE fused) or None: the PyTorch path.
+        self.rows_attention = rows_attention
+
+    def rope_half_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """fp32 (cos, sin) [num_positions, head_dim / 2] from the model's rotary module, or None when its
+        tables do not repeat their first half (the form the native kernel rotates with)."""
+        probe = torch.empty(0, dtype=torch.float32, device=self.device)
+        cos, sin = self.rotary(probe, torch.arange(num_positions, device=self.device).view(1, -1))
+        cos, sin = cos[0].float(), sin[0].float()
+        half = self.head_dim // 2
+        if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
+            return None
+        return cos[:, :half].contiguous(), sin[:, :half].contiguous()
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, head_dim] for absolute ``positions`` [N], via the model's own rotary module."""

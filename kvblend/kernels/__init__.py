@@ -1,0 +1,167 @@
+"""Native CPU kernels, compiled from C at first use and loaded with ctypes.
+
+``rows_attention.c`` is one layer's attention for a sorted set of query rows with an exact causal mask
+by absolute position, bf16 on Intel AMX: full prefill (every row) and CacheBlend's recomputed rows
+(scattered through the prompt) both go through it. PyTorch's CPU flash kernel can only be handed
+scattered rows in a few masked blocks, which computes and throws away a large share of the scores.
+
+The shared object is built with the system C compiler into ``<cache_dir>/kernels/`` (keyed by a digest of
+the source and flags, written atomically) and needs no PyTorch headers. Where it cannot be used (no
+compiler, no AMX, another head size) ``load_rows_attention`` says why and callers keep the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("rows_attention.c")
+# Explicit ISA flags, not -march: the library is only loaded after /proc/cpuinfo shows these features.
+CFLAGS = ("-O3", "-mtune=sapphirerapids", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16",
+          "-mfma", "-mamx-tile", "-mamx-bf16", "-fPIC", "-shared", "-pthread")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16")
+HEAD_DIM = 64
+
+
+class KernelUnavailable(RuntimeError):
+    """The native kernel cannot run here; the message says why (callers fall back to PyTorch)."""
+
+
+@dataclass
+class RowsAttention:
+    """ctypes binding of ``kvb_rows_attention`` (see rows_attention.c for the contract)."""
+
+    lib: ctypes.CDLL
+    path: Path
+
+    def scratch_bytes(self, num_keys: int, num_kv_heads: int) -> int:
+        return int(self.lib.kvb_rows_attention_scratch_bytes(num_keys, num_kv_heads))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rot: torch.Tensor | None,
+                 rope_half: tuple[torch.Tensor, torch.Tensor] | None, positions: torch.Tensor,
+                 scale: float, out: torch.Tensor, scratch: torch.Tensor, num_threads: int) -> torch.Tensor:
+        """Attention of rows at sorted ``positions`` [A] (int64) over keys [0, num_keys).
+
+        q [A, Hq, d] pre-RoPE (rows may be strided, heads dense); k, v [Hkv, num_keys, d] (k pre-RoPE);
+        k_rot [Hkv, num_keys, d] receives the rotated keys (the attention cache) or None;
+        rope_half: fp32 (cos, sin) [>= num_keys, d/2] by position, or None when q and k are rotated;
+        out [A, Hq * d] (rows may be strided). All bf16 on the CPU. Returns ``out``."""
+        num_rows, num_heads, d = q.shape
+        num_kv_heads, num_keys, _ = k.shape
+        _check_rows(q, "q")
+        _check_rows(k, "k")
+        _check_rows(v, "v")
+        if k_rot is not None:
+            _check_rows(k_rot, "k_rot")
+        if out.stride(-1) != 1 or out.shape != (num_rows, num_heads * d):
+            raise ValueError(f"out must be [{num_rows}, {num_heads * d}] with dense rows")
+        if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.numel() != num_rows:
+            raise ValueError("positions must be a contiguous int64 tensor with one entry per query row")
+        if num_rows and (int(positions[-1]) >= num_keys or int(positions[0]) < 0 or
+                         bool((positions[1:] < positions[:-1]).any())):
+            raise ValueError(f"positions must be ascending within [0, {num_keys}) (the keys given)")
+        cos = sin = None
+        if rope_half is not None:
+            cos, sin = rope_half
+            if cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous() or \
+                    cos.shape[0] < num_keys or cos.shape[1] != d // 2:
+                raise ValueError("rope tables must be contiguous fp32 [>= num_keys, head_dim / 2]")
+        rc = self.lib.kvb_rows_attention(
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+            None if k_rot is None else k_rot.data_ptr(), 0 if k_rot is None else k_rot.stride(0),
+            None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+            positions.data_ptr(), num_rows, num_keys, num_kv_heads, num_heads // num_kv_heads, d, scale,
+            out.data_ptr(), out.stride(0), scratch.data_ptr(), scratch.numel(), max(1, num_threads))
+        if rc != 0:
+            raise ValueError(f"rows attention rejected its arguments (rc={rc}): rows={num_rows}, "
+                             f"keys={num_keys}, heads={num_heads}/{num_kv_heads}, head_dim={d}")
+        return out
+
+
+def _check_rows(t: torch.Tensor, name: str) -> None:
+    if t.dtype != torch.bfloat16 or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a bfloat16 CPU tensor, got {t.dtype} on {t.device}")
+    if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+        raise ValueError(f"{name} needs contiguous [*, rows, head_dim] rows, got strides {t.stride()}")
+
+
+_lock = threading.Lock()
+_loaded: dict[Path, RowsAttention | KernelUnavailable] = {}
+
+
+def load_rows_attention(cache_dir: Path) -> RowsAttention:
+    """The compiled kernel (built once per source/flags into ``cache_dir``/kernels), or
+    ``KernelUnavailable`` with the reason. Thread-safe; the result is cached per process."""
+    with _lock:
+        key = Path(cache_dir)
+        if key not in _loaded:
+            try:
+                _loaded[key] = _build_and_load(key / "kernels")
+            except KernelUnavailable as e:
+                _loaded[key] = e
+        result = _loaded[key]
+    if isinstance(result, KernelUnavailable):
+        raise result
+    return result
+
+
+def _build_and_load(out_dir: Path) -> RowsAttention:
+    missing = _missing_cpu_flags()
+    if missing:
+        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)} (the kernel needs AMX-BF16)")
+    cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    if cc is None:
+        raise KernelUnavailable("no C compiler (gcc) on PATH to build the AMX kernel")
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(CFLAGS).encode() + cc.encode()).hexdigest()[:16]
+    path = out_dir / f"rows_attention-{digest}.so"
+    if not path.is_file():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+        os.close(fd)
+        try:
+            proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise KernelUnavailable(f"building the AMX kernel failed: {proc.stderr.strip()[-500:]}")
+            os.replace(tmp, path)  # atomic: concurrent builders race harmlessly
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(path))
+    _declare(lib)
+    rc = lib.kvb_amx_init()
+    if rc != 0:
+        raise KernelUnavailable("the OS refused AMX tile state to this process (arch_prctl)")
+    return RowsAttention(lib, path)
+
+
+def _missing_cpu_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return list(CPU_FLAGS)
+    line = next((l for l in text.splitlines() if l.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    return [f for f in CPU_FLAGS if f not in flags]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.kvb_amx_init.restype = I
+    lib.kvb_amx_init.argtypes = []
+    lib.kvb_rows_attention_scratch_bytes.restype = L
+    lib.kvb_rows_attention_scratch_bytes.argtypes = [L, I]
+    lib.kvb_rows_attention.restype = I
+    lib.kvb_rows_attention.argtypes = [P, L, P, L, P, L, P, L, P, P, P, L, L, I, I, I, ctypes.c_float, P, L, P, L, I]

@@ -1,0 +1,410 @@
+/* One layer's attention for a sorted set of query rows, exact causal by absolute position, bf16 on
+ * Intel AMX: CacheBlend's recomputed rows (scattered through the prompt) and full prefill (every row).
+ *
+ * Query row r sits at absolute position pos[r] (ascending) and attends keys 0..pos[r]. Work is split
+ * into tiles of 16 query rows of one KV head (GQA: a position's `rep` query heads are adjacent rows), so
+ * a tile reads keys up to its last row's position only and masks just the keys after its first row's:
+ * scattered rows cost what their scores cost, not a dense mask's.
+ *
+ * One call does, on num_threads threads:
+ *   1. prepare: rotate every key (RoPE, from fp32 half tables indexed by position) into k_rot (the
+ *      attention cache, kept for decoding) and pack K and V into AMX's pair-interleaved layouts;
+ *   2. attend: per tile, rotate its queries, then per step of 128 keys: S = Q K^T on AMX (fp32), an
+ *      online softmax on AVX-512, O += P V on AMX with O held in tile registers for the whole tile.
+ *      A row's O and sum are rescaled only when its running max grows by more than 2^RESCALE_LOG2; in
+ *      between, probabilities are taken against the older, smaller max (still exact: they stay
+ *      below 2^RESCALE_LOG2, far inside fp32 and bf16 range).
+ *
+ * Built at first use by kvblend/kernels/__init__.py (gcc -O3 -mamx-tile -mamx-bf16 -mavx512bf16 ...), and
+ * loaded only where /proc/cpuinfo lists those features. */
+#include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef uint16_t bf16;
+
+#define ROWS 16   /* query rows per tile (AMX tile height) */
+#define KB 32     /* keys per P tile (the bf16 dot product depth) */
+#define STEP 128  /* keys per softmax step: 4 P tiles */
+#define HEAD_DIM 64 /* O lives in 4 tiles of 16 fp32 columns */
+#define HALF (HEAD_DIM / 2)
+#define PAIRS (HEAD_DIM / 2)
+#define RESCALE_LOG2 8.0f
+#define MAX_THREADS 64
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+/* Linux hands AMX state only to processes that ask for it (the caller checked the CPU flags).
+ * Returns 0 when AMX is usable. */
+int kvb_amx_init(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+}
+
+static void load_tile_config(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = ROWS;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+typedef struct {
+    const bf16 *q;        /* q[r, hq, :] at q + r * q_row_stride + hq * HEAD_DIM (pre-RoPE) */
+    long q_row_stride;
+    const bf16 *k, *v;    /* k[h, t, :] at k + h * k_head_stride + t * HEAD_DIM (pre-RoPE); v likewise */
+    long k_head_stride, v_head_stride;
+    bf16 *k_rot;          /* rotated keys, same layout, k_rot_head_stride; NULL: not kept */
+    long k_rot_head_stride;
+    const float *cos_t, *sin_t; /* [position, HALF]; NULL: q and k are already rotated */
+    const int64_t *pos;   /* [num_rows] ascending */
+    long num_rows, num_keys; /* keys [0, num_keys) are prepared; num_keys > pos[num_rows - 1] */
+    int num_kv_heads, rep;
+    float scale;
+    bf16 *out;            /* out[r, hq, :] at out + r * out_row_stride + hq * HEAD_DIM */
+    long out_row_stride;
+    int num_threads;
+    uint32_t *kp;         /* [h][16-key block][PAIRS][16] : dword (2i, 2i+1) of each key */
+    bf16 *vp;             /* [h][32-key block][16 key pairs][HEAD_DIM][2] */
+    long num_blocks;      /* 32-key blocks per head */
+    long tiles_per_head;
+    atomic_long next_item;
+} job_t;
+
+/* dst[0:64] = RoPE(src[0:64]) with x1' = x1 c - x2 s, x2' = x2 c + x1 s (HF rotate_half convention),
+ * in fp32, rounded once to bf16. c, s: NULL copies. */
+static inline void rotate_row(const bf16 *src, const float *c, const float *s, bf16 *dst) {
+    if (!c) {
+        memcpy(dst, src, HEAD_DIM * 2);
+        return;
+    }
+    for (int i = 0; i < HALF; i += 16) {
+        __m512 x1 = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(src + i)));
+        __m512 x2 = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(src + HALF + i)));
+        __m512 cc = _mm512_loadu_ps(c + i), ss = _mm512_loadu_ps(s + i);
+        __m512 y1 = _mm512_fmsub_ps(x1, cc, _mm512_mul_ps(x2, ss));
+        __m512 y2 = _mm512_fmadd_ps(x2, cc, _mm512_mul_ps(x1, ss));
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(y1));
+        _mm256_storeu_si256((__m256i *)(dst + HALF + i), (__m256i)_mm512_cvtneps_pbh(y2));
+    }
+}
+
+/* 2^x for x <= RESCALE_LOG2 (x = -inf -> ~2^-126, masked by the caller): round to the nearest
+ * integer n, a degree-5 polynomial for 2^f on [-0.5, 0.5] (relative error ~2e-7), then scalef. */
+static inline __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Keys [32b, 32b + 32) of head h: rotate into k_rot, pack K (dword transpose per 16 keys) and V
+ * (pairs of keys interleaved). Keys past num_keys pack as zeros. */
+static void prepare_block(job_t *job, int h, long b) {
+    bf16 rows[KB * HEAD_DIM] __attribute__((aligned(64)));
+    const bf16 *k = job->k + h * job->k_head_stride;
+    const bf16 *v = job->v + h * job->v_head_stride;
+    for (int j = 0; j < KB; j++) {
+        long t = b * KB + j;
+        if (t >= job->num_keys) {
+            memset(rows + j * HEAD_DIM, 0, HEAD_DIM * 2);
+            continue;
+        }
+        const float *c = job->cos_t ? job->cos_t + t * HALF : NULL;
+        const float *s = job->sin_t ? job->sin_t + t * HALF : NULL;
+        rotate_row(k + t * HEAD_DIM, c, s, rows + j * HEAD_DIM);
+    }
+    if (job->k_rot) {
+        long n = job->num_keys - b * KB < KB ? job->num_keys - b * KB : KB;
+        memcpy(job->k_rot + h * job->k_rot_head_stride + b * KB * HEAD_DIM, rows, n * HEAD_DIM * 2);
+    }
+    /* kp[blk16][i][j] = dword i of key j: a gather per pair i */
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(PAIRS));
+    for (int half = 0; half < 2; half++) {
+        uint32_t *dst = job->kp + ((long)h * job->num_blocks * 2 + 2 * b + half) * PAIRS * 16;
+        const int *src = (const int *)(rows + half * 16 * HEAD_DIM);
+        for (int i = 0; i < PAIRS; i++)
+            _mm512_store_si512(dst + i * 16, _mm512_i32gather_epi32(_mm512_add_epi32(idx, _mm512_set1_epi32(i)), src, 4));
+    }
+    /* vp[blk][i][c][t] = V[32b + 2i + t][c] */
+    bf16 *dst = job->vp + ((long)h * job->num_blocks + b) * KB * HEAD_DIM;
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int i = 0; i < KB / 2; i++) {
+        long t0 = b * KB + 2 * i, t1 = t0 + 1;
+        for (int c = 0; c < HEAD_DIM; c += 32) {
+            __m512i a = t0 < job->num_keys ? _mm512_loadu_si512(v + t0 * HEAD_DIM + c) : _mm512_setzero_si512();
+            __m512i z = t1 < job->num_keys ? _mm512_loadu_si512(v + t1 * HEAD_DIM + c) : _mm512_setzero_si512();
+            _mm512_storeu_si512(dst + (i * HEAD_DIM + c) * 2, _mm512_permutex2var_epi16(a, lo, z));
+            _mm512_storeu_si512(dst + (i * HEAD_DIM + c) * 2 + 32, _mm512_permutex2var_epi16(a, hi, z));
+        }
+    }
+}
+
+/* O accumulator tiles 4..7 (16 fp32 columns each) <-> obuf [16][HEAD_DIM]; tile numbers must be constants. */
+static inline void store_o(float *obuf) {
+    _tile_stored(4, obuf, HEAD_DIM * 4);
+    _tile_stored(5, obuf + 16, HEAD_DIM * 4);
+    _tile_stored(6, obuf + 32, HEAD_DIM * 4);
+    _tile_stored(7, obuf + 48, HEAD_DIM * 4);
+}
+
+static inline void load_o(const float *obuf) {
+    _tile_loadd(4, obuf, HEAD_DIM * 4);
+    _tile_loadd(5, obuf + 16, HEAD_DIM * 4);
+    _tile_loadd(6, obuf + 32, HEAD_DIM * 4);
+    _tile_loadd(7, obuf + 48, HEAD_DIM * 4);
+}
+
+static void rescale_o(const float *alpha, float *obuf) {
+    store_o(obuf);
+    for (int m = 0; m < ROWS; m++)
+        for (int c = 0; c < HEAD_DIM; c += 16)
+            _mm512_store_ps(obuf + m * HEAD_DIM + c, _mm512_mul_ps(_mm512_load_ps(obuf + m * HEAD_DIM + c),
+                                                                  _mm512_set1_ps(alpha[m])));
+    load_o(obuf);
+}
+
+typedef struct {
+    bf16 q[ROWS * HEAD_DIM] __attribute__((aligned(64)));
+    float s[ROWS * STEP] __attribute__((aligned(64)));
+    bf16 p[ROWS * STEP] __attribute__((aligned(64)));
+    float o[ROWS * HEAD_DIM] __attribute__((aligned(64)));
+    float row_max[ROWS], row_sum[ROWS], alpha[ROWS];
+    int32_t pos[ROWS];
+} tile_state;
+
+/* S[:, 0 : 32 * num_sub] = Q K^T for the 32-key blocks blk0 .. blk0 + num_sub - 1. */
+static inline void scores(const tile_state *st, const uint32_t *kp, long blk0, int num_sub, float *s) {
+    for (int sb = 0; sb < num_sub; sb++) {
+        const uint32_t *kb = kp + (2 * (blk0 + sb)) * PAIRS * 16;
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_loadd(0, st->q, HEAD_DIM * 2);
+        _tile_loadd(1, kb, 64);
+        _tile_dpbf16ps(2, 0, 1);
+        _tile_loadd(1, kb + PAIRS * 16, 64);
+        _tile_dpbf16ps(3, 0, 1);
+        _tile_loadd(0, st->q + HALF, HEAD_DIM * 2);
+        _tile_loadd(1, kb + 16 * 16, 64);
+        _tile_dpbf16ps(2, 0, 1);
+        _tile_loadd(1, kb + PAIRS * 16 + 16 * 16, 64);
+        _tile_dpbf16ps(3, 0, 1);
+        _tile_stored(2, s + sb * KB, STEP * 4);
+        _tile_stored(3, s + sb * KB + 16, STEP * 4);
+    }
+}
+
+/* O += P V for the same blocks (P in st->p). */
+static inline void accumulate_pv(const tile_state *st, const bf16 *vp, long blk0, int num_sub) {
+    for (int sb = 0; sb < num_sub; sb++) {
+        const bf16 *vb = vp + (blk0 + sb) * KB * HEAD_DIM;
+        _tile_loadd(0, st->p + sb * KB, STEP * 2);
+        _tile_loadd(1, vb, HEAD_DIM * 4);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(2, vb + 32, HEAD_DIM * 4);
+        _tile_dpbf16ps(5, 0, 2);
+        _tile_loadd(3, vb + 64, HEAD_DIM * 4);
+        _tile_dpbf16ps(6, 0, 3);
+        _tile_loadd(1, vb + 96, HEAD_DIM * 4);
+        _tile_dpbf16ps(7, 0, 1);
+    }
+}
+
+/* Online softmax over st->s [16][32 * num_sub] (keys key0 ...) into st->p; masked: some key may lie
+ * after some row's position. Updates row_max / row_sum, rescaling O when a max moved far. */
+static void softmax_step(tile_state *st, long key0, int num_sub, int masked, float c, int first_step) {
+    const int nv = 2 * num_sub; /* zmm vectors of 16 keys per row */
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    float bmax[ROWS];
+    for (int m = 0; m < ROWS; m++) {
+        const float *s = st->s + m * STEP;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        const __m512i p = _mm512_set1_epi32(st->pos[m]);
+        for (int j = 0; j < nv; j++) {
+            __m512 x = _mm512_load_ps(s + 16 * j);
+            if (masked) {
+                __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(key0 + 16 * j)));
+                x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmple_epi32_mask(key, p), x);
+            }
+            mx = _mm512_max_ps(mx, x);
+        }
+        bmax[m] = _mm512_reduce_max_ps(mx) * c;
+    }
+    __m512 old = _mm512_loadu_ps(st->row_max);
+    __m512 cand = _mm512_max_ps(old, _mm512_loadu_ps(bmax));
+    __mmask16 grow = first_step ? 0xFFFF
+                                : _mm512_cmp_ps_mask(cand, _mm512_add_ps(old, _mm512_set1_ps(RESCALE_LOG2)), _CMP_GT_OQ);
+    if (grow) {
+        __m512 ref = _mm512_mask_mov_ps(old, grow, cand);
+        if (!first_step) {
+            _mm512_storeu_ps(st->alpha, exp2_ps(_mm512_sub_ps(old, ref)));
+            _mm512_storeu_ps(st->row_sum, _mm512_mul_ps(_mm512_loadu_ps(st->row_sum), _mm512_loadu_ps(st->alpha)));
+            rescale_o(st->alpha, st->o);
+        }
+        _mm512_storeu_ps(st->row_max, ref);
+    }
+    const __m512 cv = _mm512_set1_ps(c);
+    for (int m = 0; m < ROWS; m++) {
+        const float *s = st->s + m * STEP;
+        bf16 *pr = st->p + m * STEP;
+        const __m512 ref = _mm512_set1_ps(st->row_max[m]);
+        const __m512i p = _mm512_set1_epi32(st->pos[m]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < nv; j += 2) {
+            __m512 e0 = exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(s + 16 * j), cv, ref));
+            __m512 e1 = exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(s + 16 * j + 16), cv, ref));
+            if (masked) { /* exactly 0 after the row's position */
+                __m512i k0 = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(key0 + 16 * j)));
+                __m512i k1 = _mm512_add_epi32(k0, _mm512_set1_epi32(16));
+                e0 = _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(k0, p), e0);
+                e1 = _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(k1, p), e1);
+            }
+            sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+            _mm512_store_si512(pr + 16 * j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        }
+        st->row_sum[m] += _mm512_reduce_add_ps(sum);
+    }
+}
+
+/* Query rows [m0, m0 + 16) of KV head h; row m is query row m / rep, query head h * rep + m % rep. */
+static void attend_tile(job_t *job, int h, long m0) {
+    tile_state st __attribute__((aligned(64)));
+    const int rep = job->rep;
+    const long num_q = job->num_rows * rep;
+    int valid = 0;
+    for (int m = 0; m < ROWS; m++) {
+        long qi = m0 + m;
+        if (qi < num_q) {
+            long r = qi / rep, t = job->pos[r];
+            const float *c = job->cos_t ? job->cos_t + t * HALF : NULL;
+            const float *s = job->sin_t ? job->sin_t + t * HALF : NULL;
+            rotate_row(job->q + r * job->q_row_stride + (long)(h * rep + qi % rep) * HEAD_DIM, c, s, st.q + m * HEAD_DIM);
+            st.pos[m] = (int32_t)t;
+            valid = m + 1;
+        } else { /* padding rows: zeros at the last row's position, computed and dropped */
+            memset(st.q + m * HEAD_DIM, 0, HEAD_DIM * 2);
+            st.pos[m] = st.pos[valid - 1];
+        }
+        st.row_sum[m] = 0.0f;
+        st.row_max[m] = -INFINITY;
+    }
+    const long first = st.pos[0], num_keys = (long)st.pos[ROWS - 1] + 1;
+    const float c = job->scale * 1.4426950408889634f; /* softmax in base 2 */
+    const uint32_t *kp = job->kp + (long)h * job->num_blocks * 2 * PAIRS * 16;
+    const bf16 *vp = job->vp + (long)h * job->num_blocks * KB * HEAD_DIM;
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (long key0 = 0; key0 < num_keys; key0 += STEP) {
+        long left = num_keys - key0;
+        int num_sub = left >= STEP ? STEP / KB : (int)((left + KB - 1) / KB);
+        int masked = key0 + num_sub * KB - 1 > first;
+        scores(&st, kp, key0 / KB, num_sub, st.s);
+        softmax_step(&st, key0, num_sub, masked, c, key0 == 0);
+        accumulate_pv(&st, vp, key0 / KB, num_sub);
+    }
+    store_o(st.o);
+    for (int m = 0; m < valid; m++) {
+        long qi = m0 + m, r = qi / rep;
+        bf16 *dst = job->out + r * job->out_row_stride + (long)(h * rep + qi % rep) * HEAD_DIM;
+        __m512 inv = _mm512_set1_ps(1.0f / st.row_sum[m]);
+        for (int cc = 0; cc < HEAD_DIM; cc += 32) {
+            __m512 a = _mm512_mul_ps(_mm512_load_ps(st.o + m * HEAD_DIM + cc), inv);
+            __m512 z = _mm512_mul_ps(_mm512_load_ps(st.o + m * HEAD_DIM + cc + 16), inv);
+            _mm512_storeu_si512(dst + cc, (__m512i)_mm512_cvtne2ps_pbh(z, a));
+        }
+    }
+}
+
+static void *prepare_worker(void *arg) {
+    job_t *job = (job_t *)arg;
+    const long items = (long)job->num_kv_heads * job->num_blocks;
+    for (long it; (it = atomic_fetch_add(&job->next_item, 1)) < items;)
+        prepare_block(job, (int)(it / job->num_blocks), it % job->num_blocks);
+    return NULL;
+}
+
+static void *attend_worker(void *arg) {
+    job_t *job = (job_t *)arg;
+    /* flush denormals: probabilities far below a row's max must not take microcode assists */
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040); /* FTZ | DAZ */
+    load_tile_config(); /* tile state is per thread */
+    /* head by head, so a thread's K/V stay in its cache; most expensive (last) tiles first */
+    const long total = job->tiles_per_head * job->num_kv_heads;
+    for (long it; (it = atomic_fetch_add(&job->next_item, 1)) < total;) {
+        long tile = job->tiles_per_head - 1 - it % job->tiles_per_head;
+        attend_tile(job, (int)(it / job->tiles_per_head), tile * ROWS);
+    }
+    _tile_release();
+    _mm_setcsr(csr);
+    return NULL;
+}
+
+/* fn on num_threads threads (this one included), pulling items from job->next_item; a thread that
+ * fails to start only means fewer hands. */
+static void run_parallel(void *(*fn)(void *), job_t *job) {
+    pthread_t threads[MAX_THREADS];
+    int spawned = 0;
+    atomic_store(&job->next_item, 0);
+    for (int i = 1; i < job->num_threads && spawned < MAX_THREADS; i++)
+        if (pthread_create(&threads[spawned], NULL, fn, job) == 0) spawned++;
+    fn(job);
+    for (int i = 0; i < spawned; i++) pthread_join(threads[i], NULL);
+}
+
+/* Bytes of scratch a call with these sizes needs (packed K and V), 64-byte aligned. */
+long kvb_rows_attention_scratch_bytes(long num_keys, int num_kv_heads) {
+    return 2L * num_kv_heads * ((num_keys + KB - 1) / KB) * KB * HEAD_DIM * 2;
+}
+
+/* Returns 0; -1 for arguments this kernel does not handle (the caller falls back). scratch: at least
+ * kvb_rows_attention_scratch_bytes(num_keys, num_kv_heads), 64-byte aligned, reused across calls so its
+ * pages are not faulted in again every layer. */
+int kvb_rows_attention(const bf16 *q, long q_row_stride, const bf16 *k, long k_head_stride, const bf16 *v,
+                       long v_head_stride, bf16 *k_rot, long k_rot_head_stride, const float *cos_t,
+                       const float *sin_t, const int64_t *pos, long num_rows, long num_keys, int num_kv_heads,
+                       int rep, int head_dim, float scale, bf16 *out, long out_row_stride, void *scratch,
+                       long scratch_bytes, int num_threads) {
+    if (head_dim != HEAD_DIM || num_rows <= 0 || rep <= 0 || num_kv_heads <= 0 || num_threads <= 0 ||
+        (cos_t == NULL) != (sin_t == NULL) || num_keys <= pos[num_rows - 1] || pos[num_rows - 1] >= INT32_MAX ||
+        ((uintptr_t)scratch & 63) || scratch_bytes < kvb_rows_attention_scratch_bytes(num_keys, num_kv_heads))
+        return -1;
+    job_t job = {.q = q, .q_row_stride = q_row_stride, .k = k, .v = v, .k_head_stride = k_head_stride,
+                 .v_head_stride = v_head_stride, .k_rot = k_rot, .k_rot_head_stride = k_rot_head_stride,
+                 .cos_t = cos_t, .sin_t = sin_t, .pos = pos, .num_rows = num_rows, .num_keys = num_keys,
+                 .num_kv_heads = num_kv_heads, .rep = rep, .scale = scale, .out = out,
+                 .out_row_stride = out_row_stride,
+                 .num_threads = num_threads > MAX_THREADS ? MAX_THREADS : num_threads};
+    job.num_blocks = (num_keys + KB - 1) / KB;
+    job.tiles_per_head = (num_rows * rep + ROWS - 1) / ROWS;
+    job.kp = (uint32_t *)scratch;
+    job.vp = (bf16 *)((char *)scratch + kvb_rows_attention_scratch_bytes(num_keys, num_kv_heads) / 2);
+    run_parallel(prepare_worker, &job);
+    run_parallel(attend_worker, &job);
+    return 0;
+}
