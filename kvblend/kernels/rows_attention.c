@@ -103,14 +103,13 @@ static inline void rotate_row(const bf16 *src, const float *c, const float *s, b
     }
 }
 
-/* 2^x for x <= RESCALE_LOG2 (x = -inf -> ~2^-126, masked by the caller): round to the nearest
- * integer n, a degree-5 polynomial for 2^f on [-0.5, 0.5] (relative error ~2e-7), then scalef. */
+/* 2^x (x = -inf -> ~2^-126, masked by the caller): round to the nearest integer n, a degree-4 Taylor
+ * polynomial for 2^f on [-0.5, 0.5] (relative error < 5e-5, far below bf16's 4e-3), then scalef. */
 static inline __m512 exp2_ps(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    __m512 p = _mm512_set1_ps(9.6181291076284772e-3f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
@@ -233,60 +232,86 @@ static inline void accumulate_pv(const tile_state *st, const bf16 *vp, long blk0
     }
 }
 
-/* Online softmax over st->s [16][32 * num_sub] (keys key0 ...) into st->p; masked: some key may lie
- * after some row's position. Updates row_max / row_sum, rescaling O when a max moved far. */
-static void softmax_step(tile_state *st, long key0, int num_sub, int masked, float c, int first_step) {
-    const int nv = 2 * num_sub; /* zmm vectors of 16 keys per row */
+/* Row maxima (scaled to log2 units) of st->s [16][32 * num_sub]; keys after a row's position excluded. */
+static void row_maxima(const tile_state *st, const float *sbuf, long key0, int num_sub, int masked, float c,
+                       float *out) {
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    float bmax[ROWS];
     for (int m = 0; m < ROWS; m++) {
-        const float *s = st->s + m * STEP;
+        const float *s = sbuf + m * STEP;
+        const __m512i p = _mm512_set1_epi32(st->pos[m]);
         __m512 mx = _mm512_set1_ps(-INFINITY);
-        const __m512i p = _mm512_set1_epi32(st->pos[m]);
-        for (int j = 0; j < nv; j++) {
-            __m512 x = _mm512_load_ps(s + 16 * j);
-            if (masked) {
-                __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(key0 + 16 * j)));
-                x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmple_epi32_mask(key, p), x);
-            }
-            mx = _mm512_max_ps(mx, x);
+        for (int j = 0; j < 2 * num_sub; j++) {
+            __mmask16 ok = masked ? _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32((int)(key0 + 16 * j))), p)
+                                  : 0xFFFF;
+            mx = _mm512_mask_max_ps(mx, ok, mx, _mm512_load_ps(s + 16 * j));
         }
-        bmax[m] = _mm512_reduce_max_ps(mx) * c;
+        out[m] = _mm512_reduce_max_ps(mx) * c;
     }
-    __m512 old = _mm512_loadu_ps(st->row_max);
-    __m512 cand = _mm512_max_ps(old, _mm512_loadu_ps(bmax));
-    __mmask16 grow = first_step ? 0xFFFF
-                                : _mm512_cmp_ps_mask(cand, _mm512_add_ps(old, _mm512_set1_ps(RESCALE_LOG2)), _CMP_GT_OQ);
-    if (grow) {
-        __m512 ref = _mm512_mask_mov_ps(old, grow, cand);
-        if (!first_step) {
-            _mm512_storeu_ps(st->alpha, exp2_ps(_mm512_sub_ps(old, ref)));
-            _mm512_storeu_ps(st->row_sum, _mm512_mul_ps(_mm512_loadu_ps(st->row_sum), _mm512_loadu_ps(st->alpha)));
-            rescale_o(st->alpha, st->o);
+}
+
+/* P row m = 2^(S c - ref) (exactly 0 after the row's position) into st->p; returns the row's sum and,
+ * in *max_out, the row's max of S c over allowed keys. */
+static inline float exp_row(tile_state *st, const float *sbuf, int m, long key0, int num_sub, int masked, float c,
+                            float ref, float *max_out) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const float *s = sbuf + m * STEP;
+    bf16 *pr = st->p + m * STEP;
+    const __m512 cv = _mm512_set1_ps(c), rv = _mm512_set1_ps(ref);
+    const __m512i p = _mm512_set1_epi32(st->pos[m]);
+    __m512 sum = _mm512_setzero_ps(), mx = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < 2 * num_sub; j += 2) {
+        __m512 x0 = _mm512_load_ps(s + 16 * j), x1 = _mm512_load_ps(s + 16 * j + 16);
+        __m512 e0 = exp2_ps(_mm512_fmsub_ps(x0, cv, rv)), e1 = exp2_ps(_mm512_fmsub_ps(x1, cv, rv));
+        __mmask16 ok0 = 0xFFFF, ok1 = 0xFFFF;
+        if (masked) {
+            __m512i k0 = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(key0 + 16 * j)));
+            ok0 = _mm512_cmple_epi32_mask(k0, p);
+            ok1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(k0, _mm512_set1_epi32(16)), p);
+            e0 = _mm512_maskz_mov_ps(ok0, e0);
+            e1 = _mm512_maskz_mov_ps(ok1, e1);
         }
-        _mm512_storeu_ps(st->row_max, ref);
+        mx = _mm512_mask_max_ps(mx, ok0, mx, x0);
+        mx = _mm512_mask_max_ps(mx, ok1, mx, x1);
+        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+        _mm512_store_si512(pr + 16 * j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
     }
-    const __m512 cv = _mm512_set1_ps(c);
+    *max_out = _mm512_reduce_max_ps(mx) * c;
+    return _mm512_reduce_add_ps(sum);
+}
+
+/* Online softmax over sbuf [16][32 * num_sub] (keys key0 ...) into st->p; masked: some key may lie
+ * after some row's position. One pass against each row's reference max; the rare row whose max grew
+ * by more than RESCALE_LOG2 is redone against its new max, and O and its sum are rescaled. */
+static void softmax_step(tile_state *st, const float *sbuf, long key0, int num_sub, int masked, float c,
+                         int first_step) {
+    if (first_step) /* no reference yet: the block's own maxima */
+        row_maxima(st, sbuf, key0, num_sub, masked, c, st->row_max);
+    float step_sum[ROWS], step_max[ROWS];
+    int redo = 0;
     for (int m = 0; m < ROWS; m++) {
-        const float *s = st->s + m * STEP;
-        bf16 *pr = st->p + m * STEP;
-        const __m512 ref = _mm512_set1_ps(st->row_max[m]);
-        const __m512i p = _mm512_set1_epi32(st->pos[m]);
-        __m512 sum = _mm512_setzero_ps();
-        for (int j = 0; j < nv; j += 2) {
-            __m512 e0 = exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(s + 16 * j), cv, ref));
-            __m512 e1 = exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(s + 16 * j + 16), cv, ref));
-            if (masked) { /* exactly 0 after the row's position */
-                __m512i k0 = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(key0 + 16 * j)));
-                __m512i k1 = _mm512_add_epi32(k0, _mm512_set1_epi32(16));
-                e0 = _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(k0, p), e0);
-                e1 = _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(k1, p), e1);
-            }
-            sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-            _mm512_store_si512(pr + 16 * j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-        }
-        st->row_sum[m] += _mm512_reduce_add_ps(sum);
+        step_sum[m] = exp_row(st, sbuf, m, key0, num_sub, masked, c, st->row_max[m], &step_max[m]);
+        redo |= step_max[m] > st->row_max[m] + RESCALE_LOG2;
     }
+    if (redo) {
+        for (int m = 0; m < ROWS; m++) {
+            st->alpha[m] = 1.0f;
+            if (step_max[m] > st->row_max[m] + RESCALE_LOG2) {
+                float unused;
+                st->alpha[m] = exp2f(st->row_max[m] - step_max[m]);
+                st->row_max[m] = step_max[m];
+                step_sum[m] = exp_row(st, sbuf, m, key0, num_sub, masked, c, step_max[m], &unused);
+            }
+            st->row_sum[m] *= st->alpha[m];
+        }
+        rescale_o(st->alpha, st->o);
+    }
+    for (int m = 0; m < ROWS; m++) st->row_sum[m] += step_sum[m];
+}
+
+/* 32-key blocks of the step starting at key0 (the last step may be partial). */
+static inline int sub_blocks(long num_keys, long key0) {
+    long left = num_keys - key0;
+    return left >= STEP ? STEP / KB : (int)((left + KB - 1) / KB);
 }
 
 /* Query rows [m0, m0 + 16) of KV head h; row m is query row m / rep, query head h * rep + m % rep. */
@@ -320,11 +345,10 @@ static void attend_tile(job_t *job, int h, long m0) {
     _tile_zero(6);
     _tile_zero(7);
     for (long key0 = 0; key0 < num_keys; key0 += STEP) {
-        long left = num_keys - key0;
-        int num_sub = left >= STEP ? STEP / KB : (int)((left + KB - 1) / KB);
-        int masked = key0 + num_sub * KB - 1 > first;
+        const int num_sub = sub_blocks(num_keys, key0);
+        const int masked = key0 + num_sub * KB - 1 > first;
         scores(&st, kp, key0 / KB, num_sub, st.s);
-        softmax_step(&st, key0, num_sub, masked, c, key0 == 0);
+        softmax_step(&st, st.s, key0, num_sub, masked, c, key0 == 0);
         accumulate_pv(&st, vp, key0 / KB, num_sub);
     }
     store_o(st.o);
