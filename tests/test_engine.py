@@ -305,3 +305,20 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
     GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
         tiny_engine(tmp_path)
+
+
+def test_auto_dtype_is_bf16_only_where_it_is_native(monkeypatch):
+    """bf16 is emulated (several times slower than fp32) on CPUs without AMX / AVX-512 BF16."""
+    import kvblend.config as config
+    from kvblend.config import ModelConfig, resolve_dtype
+
+    monkeypatch.setattr(config, "cpu_flags", lambda: {"avx2", "fma"})
+    assert ModelConfig().dtype == "float32"
+    assert resolve_dtype("auto", "cuda:0") == "bfloat16"
+    monkeypatch.setattr(config, "cpu_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
+    assert ModelConfig().dtype == "bfloat16"
+    monkeypatch.setattr(config, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert ModelConfig(dtype="auto").dtype == "bfloat16"
+    assert ModelConfig(dtype="float32").dtype == "float32"  # explicit choices are kept
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        ModelConfig(dtype="int8")

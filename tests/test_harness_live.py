@@ -15,7 +15,7 @@ MODEL = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="module")
 def live(kvblend_server_factory):
-    return kvblend_server_factory(config={"api_keys": [KEY], "models": [{"id": MODEL, "model": "", "dtype": "bfloat16"}]})
+    return kvblend_server_factory(config={"api_keys": [KEY], "models": [{"id": MODEL, "model": "", "dtype": "auto"}]})
 
 
 def _auth(tmp_path: Path, live, **over) -> Path:

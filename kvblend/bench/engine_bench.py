@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--examples", type=int, default=10, help="number of MuSiQue examples (default 10)")
     p.add_argument("--data", default=None, help="MuSiQue JSON (default ../shared/data/musique_dev.json)")
     p.add_argument("--model", default="", help="HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto (default): bfloat16 where this CPU has native bf16 (AMX / AVX-512 BF16), else float32")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--attention-kernel", default=None, choices=["auto", "amx", "torch"],
                    help="prefill attention: auto (AMX kernel where it applies), amx (required), torch "
@@ -115,12 +116,12 @@ def run(args) -> int:
     rows = [mr.summary(runs[0]) for mr in runs]
     result = {
         "bench": "engine", "model": engine.model_id, "model_dir": str(engine.loaded.model_dir),
-        "dtype": args.dtype, "attention_kernel": engine.attention_kernel, "examples": len(examples), "check_layers": list(blend_cfg.check_layers),
+        "dtype": cfg.model.dtype, "attention_kernel": engine.attention_kernel, "examples": len(examples), "check_layers": list(blend_cfg.check_layers),
         "check_ratios": list(blend_cfg.check_ratios), "deviation": args.deviation, "max_tokens": args.max_tokens,
         "threads": _threads(), "prompt_tokens_median": statistics.median(prompt_lens), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "modes": rows,
     }
-    out = Path(args.out or f"bench/results/engine-{_slug(engine.model_id)}-{args.dtype}.json")
+    out = Path(args.out or f"bench/results/engine-{_slug(engine.model_id)}-{cfg.model.dtype}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(render_table(result))

@@ -235,7 +235,7 @@ def measure_e2e(tiers: tuple[str, ...], disk_dir, redis_url, repeats: int, ratio
     from kvblend.engine.request import GenerationRequest, SamplingParams
     from kvblend.store.memory import MemoryStore
 
-    engine = create_engine(EngineConfig(model=ModelConfig(dtype="bfloat16")), MemoryStore())
+    engine = create_engine(EngineConfig(model=ModelConfig()), MemoryStore())
     # Every timed run must blend (select + recompute), not reuse the previous run's blended KV.
     engine.config.blend.store_blended_prefix = False
     ex = load_musique(limit=1)[0]

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from kvblend.config import cpu_flags
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("rows_attention.c")
@@ -148,12 +150,7 @@ def _build_and_load(out_dir: Path) -> RowsAttention:
 
 
 def _missing_cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return list(CPU_FLAGS)
-    line = next((l for l in text.splitlines() if l.startswith("flags")), "")
-    flags = set(line.partition(":")[2].split())
+    flags = cpu_flags()
     return [f for f in CPU_FLAGS if f not in flags]
 
 

@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--model", help="serve only this model: weights dir, .gguf, or '' for the embedded model")
     p.add_argument("--model-id", help="id clients send as `model` (default: the engine's id)")
-    p.add_argument("--dtype", help="bfloat16 | float32 | float16")
+    p.add_argument("--dtype", help="auto | bfloat16 | float32 | float16 (auto: bfloat16 where native, else float32)")
     p.add_argument("--threads", type=int, help="torch threads for the engine (0: torch default)")
     p.add_argument("--mode", choices=["full", "prefix", "reuse", "blend"], help="default prefill mode")
     p.add_argument("--recompute-ratio", type=float, help="default blend recompute ratio in [0, 1]")
