@@ -18,9 +18,10 @@ DTYPES = ("auto", "bfloat16", "float32", "float16")
 # CPU features that make bf16 matmuls native (AMX tiles, or AVX-512 bf16 dot products). Without them
 # oneDNN emulates bf16 and it runs several times slower than fp32 (measured 7.6x on an AVX2-only EPYC).
 NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
-# Prefill attention: "auto" uses the native AMX kernel (kvblend/kernels) where it applies (bf16 on a CPU
-# with AMX, head_dim 64) and PyTorch's kernels elsewhere; "amx" requires it; "torch" never uses it.
-ATTENTION_KERNELS = ("auto", "amx", "torch")
+# Prefill attention: "auto" uses the native kernel (kvblend/kernels) for the engine's dtype where it applies
+# (head_dim 64 on the CPU: bf16 with AMX, fp32 with AVX2 + FMA) and PyTorch's kernels elsewhere; "amx" and
+# "avx2" require that kernel; "torch" never uses a native one.
+ATTENTION_KERNELS = ("auto", "amx", "avx2", "torch")
 
 
 def default_cache_dir() -> Path:
@@ -52,7 +53,7 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
 
 
 def default_attention_kernel() -> str:
-    """``KVBLEND_ATTENTION_KERNEL`` (auto / amx / torch), default auto."""
+    """``KVBLEND_ATTENTION_KERNEL`` (auto / amx / avx2 / torch), default auto."""
     return os.environ.get("KVBLEND_ATTENTION_KERNEL") or "auto"
 
 

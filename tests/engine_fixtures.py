@@ -17,8 +17,10 @@ INSTRUCTION = "Answer the question from the passages. Answer within 5 words.\n\n
 
 
 @lru_cache(maxsize=None)
-def embedded_engine(dtype: str = "float32") -> Engine:
-    return create_engine(EngineConfig(model=ModelConfig(dtype=dtype, num_threads=2)))
+def embedded_engine(dtype: str = "float32", attention_kernel: str = "auto") -> Engine:
+    """The embedded model; ``attention_kernel`` "auto" takes the native kernel where this CPU has it,
+    "torch" pins PyTorch's kernels (so both prefill attention paths stay gated)."""
+    return create_engine(EngineConfig(model=ModelConfig(dtype=dtype, num_threads=2, attention_kernel=attention_kernel)))
 
 
 def musique_docs(example: int = 0, num_docs: int = 4) -> tuple[list[str], str]:

@@ -46,9 +46,10 @@ def _first(engine, segs, mode, ratio=0.15, max_tokens=1):
     return engine.run(GenerationRequest(segs, SamplingParams(max_tokens=max_tokens), mode=mode, recompute_ratio=ratio))
 
 
-@pytest.mark.parametrize("dtype,atol", [("float32", FP32_ATOL), ("bfloat16", BF16_ATOL)])
-def test_blend_ratio_one_equals_full(dtype, atol):
-    engine = embedded_engine(dtype)
+@pytest.mark.parametrize("dtype,atol,attention", [("float32", FP32_ATOL, "auto"), ("float32", FP32_ATOL, "torch"),
+                                                  ("bfloat16", BF16_ATOL, "auto")])
+def test_blend_ratio_one_equals_full(dtype, atol, attention):
+    engine = embedded_engine(dtype, attention)
     engine.store = MemoryStore()
     segs = _segments(engine, order=(2, 0, 3, 1))
     full = _first(engine, segs, "full")
@@ -95,10 +96,12 @@ def test_reused_chunk_layer0_kv_matches_fresh_at_new_position():
     assert (stored.v[5] - out.fresh_v[5][:, rows]).abs().max() > 1e-2
 
 
-def test_exact_kv_with_any_active_subset_equals_full():
+@pytest.mark.parametrize("attention", ["auto", "torch"])
+def test_exact_kv_with_any_active_subset_equals_full(attention):
     """With exact stored KV, computing an arbitrary subset of rows must reproduce full prefill: a mask
-    letting a selected row see a later key (the bottom-right approximation) would change the logits."""
-    engine = embedded_engine("float32")
+    letting a selected row see a later key (the bottom-right approximation) would change the logits.
+    Both attention paths: the native kernel where this CPU has one, and PyTorch's row blocks."""
+    engine = embedded_engine("float32", attention)
     segs = _segments(engine)
     T = segs.num_tokens
     ids = torch.tensor(segs.token_ids)

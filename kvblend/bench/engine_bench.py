@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_RATIOS = (0.05, 0.15, 0.30)
+MODES = ("full", "prefix", "reuse", "blend")
 
 
 @dataclass
@@ -54,9 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto (default): bfloat16 where this CPU has native bf16 (AMX / AVX-512 BF16), else float32")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    p.add_argument("--attention-kernel", default=None, choices=["auto", "amx", "torch"],
-                   help="prefill attention: auto (AMX kernel where it applies), amx (required), torch "
+    p.add_argument("--attention-kernel", default=None, choices=["auto", "amx", "avx2", "torch"],
+                   help="prefill attention: auto (the native kernel for the dtype where it applies: amx for "
+                        "bfloat16, avx2 for float32), amx / avx2 (required), torch "
                         "(default: KVBLEND_ATTENTION_KERNEL or auto)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="comma-separated modes to run (default all: full,prefix,reuse,blend); full always "
+                        "runs, it is the reference")
     p.add_argument("--ratios", default=",".join(map(str, DEFAULT_RATIOS)),
                    help="comma-separated blend recompute ratios (default 0.05,0.15,0.3)")
     p.add_argument("--check-layers", default="1", help="comma-separated check layers (gradual filtering if >1)")
@@ -76,6 +81,10 @@ def run(args) -> int:
     from kvblend.store.memory import MemoryStore
 
     ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise SystemExit(f"kvblend bench engine: unknown mode(s) {', '.join(unknown)} (choose from {', '.join(MODES)})")
     blend_cfg = BlendConfig(check_layers=tuple(int(x) for x in args.check_layers.split(",")),
                             check_ratios=tuple(float(x) for x in args.check_ratios.split(",") if x.strip()),
                             deviation=args.deviation)
@@ -84,8 +93,9 @@ def run(args) -> int:
                        blend=blend_cfg)
     engine = create_engine(cfg)
     examples = load_musique(args.data or DEFAULT_MUSIQUE, limit=args.examples)
-    runs = [ModeRun("full", "full", 1.0), ModeRun("prefix", "prefix", 1.0), ModeRun("reuse", "reuse", 0.0)]
-    runs += [ModeRun(f"blend@{r:g}", "blend", r) for r in ratios]
+    runs = [ModeRun("full", "full", 1.0)]
+    runs += [ModeRun(m, m, 1.0 if m == "prefix" else 0.0) for m in ("prefix", "reuse") if m in modes]
+    runs += [ModeRun(f"blend@{r:g}", "blend", r) for r in (ratios if "blend" in modes else [])]
     rng = random.Random(args.seed)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     progress = _progress(len(examples))
@@ -99,7 +109,8 @@ def run(args) -> int:
         segs = engine.segments(shuffled, question, instruction=DEFAULT_INSTRUCTION + "\n\n")
         prompt_lens.append(segs.num_tokens)
         engine.precompute(segs.chunk_ids)  # untimed: chunk KV is computed once, offline
-        engine.run(GenerationRequest(cached_order, SamplingParams(max_tokens=1), mode="prefix"))  # warm prefix cache
+        if "prefix" in modes:  # warm the prefix cache with the passages in their original order
+            engine.run(GenerationRequest(cached_order, SamplingParams(max_tokens=1), mode="prefix"))
         full_result = None
         for mr in runs:
             res = engine.run(GenerationRequest(segs, sampling, mode=mr.mode, recompute_ratio=mr.ratio))

@@ -143,8 +143,8 @@ def _write_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, num_ro
 
 
 def create_attention(ops: TransformerOps, num_tokens: int):
-    """The attention of one prefill: the native AMX kernel where the model's ops carry it (bf16 CPU,
-    RoPE tables of the repeated-half form), else PyTorch's SDPA kernels. Both are called as
+    """The attention of one prefill: the native kernel where the model's ops carry it (CPU: AMX for bf16,
+    AVX2 for fp32; RoPE tables of the repeated-half form), else PyTorch's SDPA kernels. Both are called as
     ``attention(layer, q, k_pre, v, k_cache, active)`` and also write the layer's rotated keys."""
     if ops.rows_attention is not None:
         tables = ops.rope_half_tables(num_tokens)

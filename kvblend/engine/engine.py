@@ -25,7 +25,7 @@ from kvblend.engine.request import (GenerationRequest, GenerationResult, Prefill
                                     TokenEvent)
 from kvblend.engine.sampler import create_generator, sample
 from kvblend.models.loader import EMBEDDED_MODEL_ID, LoadedModel, load_model
-from kvblend.kernels import HEAD_DIM, KernelUnavailable, load_rows_attention
+from kvblend.kernels import HEAD_DIM, KERNELS, KernelUnavailable, load_rows_attention
 from kvblend.models.transformer import TransformerOps
 from kvblend.engine.kv_loader import LayerwiseLoader, load_sync
 from kvblend.store.base import ChunkKV, KVStore
@@ -86,7 +86,7 @@ class Engine:
         self.store = store
         self.tokenizer = loaded.tokenizer
         self.ops = TransformerOps(loaded.hf_model, rows_attention=_rows_attention_kernel(config.model, loaded))
-        self.attention_kernel = "amx" if self.ops.rows_attention is not None else "torch"
+        self.attention_kernel = self.ops.rows_attention.name if self.ops.rows_attention is not None else "torch"
         self.fingerprint = loaded.fingerprint
         self.model_id = _model_id(config.model.model, loaded)
         self.max_context_len = self.ops.max_position_embeddings
@@ -493,26 +493,34 @@ def _model_id(model_ref: str, loaded: LoadedModel) -> str:
 
 
 def _rows_attention_kernel(cfg, loaded: LoadedModel):
-    """The native AMX attention kernel when ``cfg.attention_kernel`` allows it and it applies (bf16 on the
-    CPU, head_dim 64), else None (PyTorch kernels). "amx" makes every reason it cannot run an error."""
+    """The native attention kernel for the engine's dtype when ``cfg.attention_kernel`` allows it and it
+    applies (on the CPU, head_dim 64; bfloat16: AMX, float32: AVX2), else None (PyTorch kernels).
+    "amx" / "avx2" make every reason that kernel cannot run an error."""
     if cfg.attention_kernel == "torch":
         return None
     hf_cfg = loaded.hf_model.config
     head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    dtype = getattr(torch, cfg.dtype)
+    wanted = KERNELS.get(dtype)
     reason = None
-    if cfg.dtype != "bfloat16" or cfg.device != "cpu":
-        reason = f"it runs bfloat16 on the CPU only (this engine: {cfg.dtype} on {cfg.device})"
+    if cfg.device != "cpu" or wanted is None:
+        reason = f"the native kernels run bfloat16 or float32 on the CPU (this engine: {cfg.dtype} on {cfg.device})"
+    elif cfg.attention_kernel not in ("auto", wanted.name):
+        reason = f"it runs {KERNELS_BY_NAME[cfg.attention_kernel]} only (this engine: {cfg.dtype})"
     elif head_dim != HEAD_DIM:
         reason = f"it handles head_dim {HEAD_DIM} only (this model: {head_dim})"
     else:
         try:
-            return load_rows_attention(cfg.cache_dir)
+            return load_rows_attention(cfg.cache_dir, dtype)
         except KernelUnavailable as e:
             reason = str(e)
-    if cfg.attention_kernel == "amx":
-        raise ValueError(f"attention_kernel=amx, but the AMX kernel cannot be used: {reason}")
-    log.info("prefill attention uses PyTorch kernels: the AMX kernel %s", reason)
+    if cfg.attention_kernel != "auto":
+        raise ValueError(f"attention_kernel={cfg.attention_kernel}, but that kernel cannot be used: {reason}")
+    log.info("prefill attention uses PyTorch kernels: the native kernel %s", reason)
     return None
+
+
+KERNELS_BY_NAME = {spec.name: str(dtype).removeprefix("torch.") for dtype, spec in KERNELS.items()}
 
 
 def create_engine(config: EngineConfig | None = None, store: KVStore | None = None) -> Engine:

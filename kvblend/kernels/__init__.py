@@ -1,13 +1,17 @@
 """Native CPU kernels, compiled from C at first use and loaded with ctypes.
 
 ``rows_attention.c`` is one layer's attention for a sorted set of query rows with an exact causal mask
-by absolute position, bf16 on Intel AMX: full prefill (every row) and CacheBlend's recomputed rows
-(scattered through the prompt) both go through it. PyTorch's CPU flash kernel can only be handed
-scattered rows in a few masked blocks, which computes and throws away a large share of the scores.
+by absolute position: full prefill (every row) and CacheBlend's recomputed rows (scattered through the
+prompt) both go through it. PyTorch's CPU flash kernel can only be handed scattered rows in a few masked
+blocks, which computes and throws away a large share of the scores. Two builds of that contract:
+
+    amx   rows_attention.c       bfloat16, Intel AMX (Sapphire Rapids and later)
+    avx2  rows_attention_f32.c   float32, AVX2 + FMA (any x86-64 of the last decade, e.g. AMD Zen)
 
 The shared object is built with the system C compiler into ``<cache_dir>/kernels/`` (keyed by a digest of
 the source and flags, written atomically) and needs no PyTorch headers. Where it cannot be used (no
-compiler, no AMX, another head size) ``load_rows_attention`` says why and callers keep the PyTorch path.
+compiler, a CPU without the ISA, another head size) ``load_rows_attention`` says why and callers keep the
+PyTorch path.
 """
 
 from __future__ import annotations
@@ -29,12 +33,34 @@ from kvblend.config import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("rows_attention.c")
-# Explicit ISA flags, not -march: the library is only loaded after /proc/cpuinfo shows these features.
-CFLAGS = ("-O3", "-mtune=sapphirerapids", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16",
-          "-mfma", "-mamx-tile", "-mamx-bf16", "-fPIC", "-shared", "-pthread")
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16")
 HEAD_DIM = 64
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One build of the rows-attention contract: its source, compiler flags, the CPU features it needs
+    and the tensor dtype it takes."""
+
+    name: str
+    source: str
+    # Explicit ISA flags, not -march: the library is only loaded after /proc/cpuinfo shows these features.
+    cflags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+    dtype: torch.dtype
+    init_symbol: str
+
+
+KERNELS = {
+    torch.bfloat16: KernelSpec(
+        "amx", "rows_attention.c",
+        ("-O3", "-mtune=sapphirerapids", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16",
+         "-mfma", "-mamx-tile", "-mamx-bf16", "-fPIC", "-shared", "-pthread"),
+        ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"),
+        torch.bfloat16, "kvb_amx_init"),
+    torch.float32: KernelSpec(
+        "avx2", "rows_attention_f32.c", ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread"),
+        ("avx2", "fma"), torch.float32, "kvb_kernel_init"),
+}
 
 
 class KernelUnavailable(RuntimeError):
@@ -47,6 +73,15 @@ class RowsAttention:
 
     lib: ctypes.CDLL
     path: Path
+    spec: KernelSpec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
 
     def scratch_bytes(self, num_keys: int, num_kv_heads: int) -> int:
         return int(self.lib.kvb_rows_attention_scratch_bytes(num_keys, num_kv_heads))
@@ -59,14 +94,12 @@ class RowsAttention:
         q [A, Hq, d] pre-RoPE (rows may be strided, heads dense); k, v [Hkv, num_keys, d] (k pre-RoPE);
         k_rot [Hkv, num_keys, d] receives the rotated keys (the attention cache) or None;
         rope_half: fp32 (cos, sin) [>= num_keys, d/2] by position, or None when q and k are rotated;
-        out [A, Hq * d] (rows may be strided). All bf16 on the CPU. Returns ``out``."""
+        out [A, Hq * d] (rows may be strided). All of the kernel's dtype on the CPU. Returns ``out``."""
         num_rows, num_heads, d = q.shape
         num_kv_heads, num_keys, _ = k.shape
-        _check_rows(q, "q")
-        _check_rows(k, "k")
-        _check_rows(v, "v")
-        if k_rot is not None:
-            _check_rows(k_rot, "k_rot")
+        for t, name in ((q, "q"), (k, "k"), (v, "v"), (k_rot, "k_rot"), (out, "out")):
+            if t is not None:
+                self._check_tensor(t, name)
         if out.stride(-1) != 1 or out.shape != (num_rows, num_heads * d):
             raise ValueError(f"out must be [{num_rows}, {num_heads * d}] with dense rows")
         if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.numel() != num_rows:
@@ -91,26 +124,29 @@ class RowsAttention:
                              f"keys={num_keys}, heads={num_heads}/{num_kv_heads}, head_dim={d}")
         return out
 
-
-def _check_rows(t: torch.Tensor, name: str) -> None:
-    if t.dtype != torch.bfloat16 or t.device.type != "cpu":
-        raise ValueError(f"{name} must be a bfloat16 CPU tensor, got {t.dtype} on {t.device}")
-    if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
-        raise ValueError(f"{name} needs contiguous [*, rows, head_dim] rows, got strides {t.stride()}")
+    def _check_tensor(self, t: torch.Tensor, name: str) -> None:
+        if t.dtype != self.dtype or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a {str(self.dtype).removeprefix('torch.')} CPU tensor "
+                             f"(the {self.name} kernel), got {t.dtype} on {t.device}")
+        if name != "out" and (t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]):
+            raise ValueError(f"{name} needs contiguous [*, rows, head_dim] rows, got strides {t.stride()}")
 
 
 _lock = threading.Lock()
-_loaded: dict[Path, RowsAttention | KernelUnavailable] = {}
+_loaded: dict[tuple[Path, torch.dtype], RowsAttention | KernelUnavailable] = {}
 
 
-def load_rows_attention(cache_dir: Path) -> RowsAttention:
-    """The compiled kernel (built once per source/flags into ``cache_dir``/kernels), or
-    ``KernelUnavailable`` with the reason. Thread-safe; the result is cached per process."""
+def load_rows_attention(cache_dir: Path, dtype: torch.dtype = torch.bfloat16) -> RowsAttention:
+    """The compiled kernel for ``dtype`` (bfloat16: AMX, float32: AVX2), built once per source/flags into
+    ``cache_dir``/kernels, or ``KernelUnavailable`` with the reason. Thread-safe; cached per process."""
+    spec = KERNELS.get(dtype)
+    if spec is None:
+        raise KernelUnavailable(f"no native kernel for {dtype} (bfloat16 and float32 have one)")
     with _lock:
-        key = Path(cache_dir)
+        key = (Path(cache_dir), dtype)
         if key not in _loaded:
             try:
-                _loaded[key] = _build_and_load(key / "kernels")
+                _loaded[key] = _build_and_load(spec, key[0] / "kernels")
             except KernelUnavailable as e:
                 _loaded[key] = e
         result = _loaded[key]
@@ -119,45 +155,44 @@ def load_rows_attention(cache_dir: Path) -> RowsAttention:
     return result
 
 
-def _build_and_load(out_dir: Path) -> RowsAttention:
-    missing = _missing_cpu_flags()
+def _build_and_load(spec: KernelSpec, out_dir: Path) -> RowsAttention:
+    flags = cpu_flags()
+    missing = [f for f in spec.cpu_flags if f not in flags]
     if missing:
-        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)} (the kernel needs AMX-BF16)")
+        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)} (needed by the {spec.name} kernel)")
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if cc is None:
-        raise KernelUnavailable("no C compiler (gcc) on PATH to build the AMX kernel")
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(CFLAGS).encode() + cc.encode()).hexdigest()[:16]
-    path = out_dir / f"rows_attention-{digest}.so"
+        raise KernelUnavailable(f"no C compiler (gcc) on PATH to build the {spec.name} kernel")
+    source_path = Path(__file__).with_name(spec.source)
+    # the headers it includes are part of what is built
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
+    digest = hashlib.sha256(source + " ".join(spec.cflags).encode() + cc.encode()).hexdigest()[:16]
+    path = out_dir / f"{source_path.stem}-{digest}.so"
     if not path.is_file():
         out_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+            proc = subprocess.run([cc, *spec.cflags, str(source_path), "-o", tmp, "-lm"], capture_output=True,
+                                  text=True)
             if proc.returncode != 0:
-                raise KernelUnavailable(f"building the AMX kernel failed: {proc.stderr.strip()[-500:]}")
+                raise KernelUnavailable(f"building the {spec.name} kernel failed: {proc.stderr.strip()[-500:]}")
             os.replace(tmp, path)  # atomic: concurrent builders race harmlessly
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(path))
-    _declare(lib)
-    rc = lib.kvb_amx_init()
-    if rc != 0:
-        raise KernelUnavailable("the OS refused AMX tile state to this process (arch_prctl)")
-    return RowsAttention(lib, path)
+    _declare(lib, spec.init_symbol)
+    if getattr(lib, spec.init_symbol)() != 0:
+        raise KernelUnavailable(f"the OS refused the {spec.name} kernel's CPU state to this process (arch_prctl)")
+    return RowsAttention(lib, path, spec)
 
 
-def _missing_cpu_flags() -> list[str]:
-    flags = cpu_flags()
-    return [f for f in CPU_FLAGS if f not in flags]
-
-
-def _declare(lib: ctypes.CDLL) -> None:
+def _declare(lib: ctypes.CDLL, init_symbol: str) -> None:
     P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    lib.kvb_amx_init.restype = I
-    lib.kvb_amx_init.argtypes = []
+    init = getattr(lib, init_symbol)
+    init.restype = I
+    init.argtypes = []
     lib.kvb_rows_attention_scratch_bytes.restype = L
     lib.kvb_rows_attention_scratch_bytes.argtypes = [L, I]
     lib.kvb_rows_attention.restype = I

@@ -19,13 +19,13 @@
  * loaded only where /proc/cpuinfo lists those features. */
 #include <immintrin.h>
 #include <math.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "rows_common.h"
 
 typedef uint16_t bf16;
 
@@ -36,7 +36,6 @@ typedef uint16_t bf16;
 #define HALF (HEAD_DIM / 2)
 #define PAIRS (HEAD_DIM / 2)
 #define RESCALE_LOG2 8.0f
-#define MAX_THREADS 64
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -82,7 +81,6 @@ typedef struct {
     bf16 *vp;             /* [h][32-key block][16 key pairs][HEAD_DIM][2] */
     long num_blocks;      /* 32-key blocks per head */
     long tiles_per_head;
-    atomic_long next_item;
 } job_t;
 
 /* dst[0:64] = RoPE(src[0:64]) with x1' = x1 c - x2 s, x2' = x2 c + x1 s (HF rotate_half convention),
@@ -364,42 +362,20 @@ static void attend_tile(job_t *job, int h, long m0) {
     }
 }
 
-static void *prepare_worker(void *arg) {
-    job_t *job = (job_t *)arg;
-    const long items = (long)job->num_kv_heads * job->num_blocks;
-    for (long it; (it = atomic_fetch_add(&job->next_item, 1)) < items;)
-        prepare_block(job, (int)(it / job->num_blocks), it % job->num_blocks);
-    return NULL;
+static void prepare_item(void *job, long item) {
+    job_t *jb = (job_t *)job;
+    prepare_block(jb, (int)(item / jb->num_blocks), item % jb->num_blocks);
 }
 
-static void *attend_worker(void *arg) {
-    job_t *job = (job_t *)arg;
-    /* flush denormals: probabilities far below a row's max must not take microcode assists */
-    const unsigned int csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040); /* FTZ | DAZ */
-    load_tile_config(); /* tile state is per thread */
-    /* head by head, so a thread's K/V stay in its cache; most expensive (last) tiles first */
-    const long total = job->tiles_per_head * job->num_kv_heads;
-    for (long it; (it = atomic_fetch_add(&job->next_item, 1)) < total;) {
-        long tile = job->tiles_per_head - 1 - it % job->tiles_per_head;
-        attend_tile(job, (int)(it / job->tiles_per_head), tile * ROWS);
-    }
-    _tile_release();
-    _mm_setcsr(csr);
-    return NULL;
+static void attend_item(void *job, long item) {
+    job_t *jb = (job_t *)job;
+    int h;
+    long m0;
+    tile_of_item(item, jb->tiles_per_head, ROWS, &h, &m0);
+    attend_tile(jb, h, m0);
 }
 
-/* fn on num_threads threads (this one included), pulling items from job->next_item; a thread that
- * fails to start only means fewer hands. */
-static void run_parallel(void *(*fn)(void *), job_t *job) {
-    pthread_t threads[MAX_THREADS];
-    int spawned = 0;
-    atomic_store(&job->next_item, 0);
-    for (int i = 1; i < job->num_threads && spawned < MAX_THREADS; i++)
-        if (pthread_create(&threads[spawned], NULL, fn, job) == 0) spawned++;
-    fn(job);
-    for (int i = 0; i < spawned; i++) pthread_join(threads[i], NULL);
-}
+static void tile_release(void) { _tile_release(); }
 
 /* Bytes of scratch a call with these sizes needs (packed K and V), 64-byte aligned. */
 long kvb_rows_attention_scratch_bytes(long num_keys, int num_kv_heads) {
@@ -414,9 +390,8 @@ int kvb_rows_attention(const bf16 *q, long q_row_stride, const bf16 *k, long k_h
                        const float *sin_t, const int64_t *pos, long num_rows, long num_keys, int num_kv_heads,
                        int rep, int head_dim, float scale, bf16 *out, long out_row_stride, void *scratch,
                        long scratch_bytes, int num_threads) {
-    if (head_dim != HEAD_DIM || num_rows <= 0 || rep <= 0 || num_kv_heads <= 0 || num_threads <= 0 ||
-        (cos_t == NULL) != (sin_t == NULL) || num_keys <= pos[num_rows - 1] || pos[num_rows - 1] >= INT32_MAX ||
-        ((uintptr_t)scratch & 63) || scratch_bytes < kvb_rows_attention_scratch_bytes(num_keys, num_kv_heads))
+    if (!rows_args_ok(head_dim, HEAD_DIM, num_rows, rep, num_kv_heads, num_threads, cos_t, sin_t, pos, num_keys,
+                      scratch, 64, scratch_bytes, kvb_rows_attention_scratch_bytes(num_keys, num_kv_heads)))
         return -1;
     job_t job = {.q = q, .q_row_stride = q_row_stride, .k = k, .v = v, .k_head_stride = k_head_stride,
                  .v_head_stride = v_head_stride, .k_rot = k_rot, .k_rot_head_stride = k_rot_head_stride,
@@ -428,7 +403,8 @@ int kvb_rows_attention(const bf16 *q, long q_row_stride, const bf16 *k, long k_h
     job.tiles_per_head = (num_rows * rep + ROWS - 1) / ROWS;
     job.kp = (uint32_t *)scratch;
     job.vp = (bf16 *)((char *)scratch + kvb_rows_attention_scratch_bytes(num_keys, num_kv_heads) / 2);
-    run_parallel(prepare_worker, &job);
-    run_parallel(attend_worker, &job);
+    run_parallel(&job, prepare_item, (long)num_kv_heads * job.num_blocks, job.num_threads, NULL, NULL);
+    run_parallel(&job, attend_item, job.tiles_per_head * num_kv_heads, job.num_threads, load_tile_config,
+                 tile_release);
     return 0;
 }

@@ -40,7 +40,7 @@ class TransformerOps:
         self.fused_mlp = getattr(cfg, "hidden_act", None) == "silu" and all(
             hasattr(l.mlp, "gate_proj") and hasattr(l.mlp, "up_proj") for l in self.layers)
         self.gate_up_proj = [_fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers] if self.fused_mlp else []
-        # kvblend.kernels.RowsAttention (bf16 AMX attention with RoPE fused) or None: the PyTorch path.
+        # kvblend.kernels.RowsAttention (native attention with RoPE fused: AMX bf16 / AVX2 fp32) or None.
         self.rows_attention = rows_attention
 
     def rope_half_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -1,0 +1,48 @@
+"""`kvblend bench engine` end to end on the embedded model: the real CLI in a subprocess, on MuSiQue
+examples cut short (three passages of 40 words) so one run takes seconds, not minutes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from engine_fixtures import MUSIQUE
+
+
+def _short_musique(tmp_path: Path, num_examples: int = 2) -> Path:
+    items = json.loads(MUSIQUE.read_text())[:num_examples]
+    for it in items:
+        it["ctxs"] = [{"title": c["title"], "text": " ".join(c["text"].split()[:40])} for c in it["ctxs"][:3]]
+    path = tmp_path / "musique_short.json"
+    path.write_text(json.dumps(items))
+    return path
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvblend.cli", "bench", "engine", *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_bench_engine_modes_ratios_and_json(tmp_path):
+    out = tmp_path / "engine.json"
+    proc = _bench("--examples", "2", "--data", str(_short_musique(tmp_path)), "--modes", "full,reuse,blend",
+                  "--ratios", "0,1", "--max-tokens", "6", "--dtype", "float32", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["modes"]}
+    assert list(rows) == ["full", "reuse", "blend@0", "blend@1"]  # prefix was not asked for
+    assert result["examples"] == 2 and result["dtype"] == "float32"
+    assert all(r["n"] == 2 and r["ttft_median_ms"] > 0 for r in rows.values())
+    # blend@1 recomputes every chunk token: the same first token and greedy text as full prefill
+    assert rows["blend@1"]["first_token_agreement"] == 1.0 and rows["blend@1"]["rouge_l_vs_full"] == 1.0
+    assert rows["full"]["speedup_vs_full"] == 1.0
+    assert "| blend@0 |" in proc.stdout and f"wrote {out}" in proc.stdout
+
+
+def test_bench_engine_rejects_an_unknown_mode(tmp_path):
+    proc = _bench("--examples", "1", "--modes", "full,fast", "--out", str(tmp_path / "x.json"))
+    assert proc.returncode != 0
+    assert "unknown mode(s) fast" in proc.stderr
+    assert not (tmp_path / "x.json").exists()
