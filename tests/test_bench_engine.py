@@ -37,7 +37,9 @@ def test_bench_engine_modes_ratios_and_json(tmp_path):
     assert all(r["n"] == 2 and r["ttft_median_ms"] > 0 for r in rows.values())
     # blend@1 recomputes every chunk token: the same first token and greedy text as full prefill
     assert rows["blend@1"]["first_token_agreement"] == 1.0 and rows["blend@1"]["rouge_l_vs_full"] == 1.0
-    assert rows["full"]["speedup_vs_full"] == 1.0
+    assert rows["full"]["speedup_vs_full"] == 1.0 and rows["full"]["first_token_kl_vs_full"] == 0.0
+    assert rows["blend@1"]["first_token_kl_vs_full"] <= 1e-4  # fp32: the same logits as full prefill
+    assert rows["reuse"]["first_token_kl_vs_full"] > rows["blend@1"]["first_token_kl_vs_full"]
     assert "| blend@0 |" in proc.stdout and f"wrote {out}" in proc.stdout
 
 

@@ -25,7 +25,7 @@ from kvblend.engine.request import (GenerationRequest, GenerationResult, Prefill
                                     TokenEvent)
 from kvblend.engine.sampler import create_generator, sample
 from kvblend.models.loader import EMBEDDED_MODEL_ID, LoadedModel, load_model
-from kvblend.kernels import HEAD_DIM, KERNELS, KernelUnavailable, load_rows_attention
+from kvblend.kernels import HEAD_DIM, KERNELS, KERNELS_BY_NAME, KernelUnavailable, load_rows_attention
 from kvblend.models.transformer import TransformerOps
 from kvblend.engine.kv_loader import LayerwiseLoader, load_sync
 from kvblend.store.base import ChunkKV, KVStore
@@ -506,7 +506,8 @@ def _rows_attention_kernel(cfg, loaded: LoadedModel):
     if cfg.device != "cpu" or wanted is None:
         reason = f"the native kernels run bfloat16 or float32 on the CPU (this engine: {cfg.dtype} on {cfg.device})"
     elif cfg.attention_kernel not in ("auto", wanted.name):
-        reason = f"it runs {KERNELS_BY_NAME[cfg.attention_kernel]} only (this engine: {cfg.dtype})"
+        only = str(KERNELS_BY_NAME[cfg.attention_kernel].dtype).removeprefix("torch.")
+        reason = f"it runs {only} only (this engine: {cfg.dtype})"
     elif head_dim != HEAD_DIM:
         reason = f"it handles head_dim {HEAD_DIM} only (this model: {head_dim})"
     else:
@@ -518,9 +519,6 @@ def _rows_attention_kernel(cfg, loaded: LoadedModel):
         raise ValueError(f"attention_kernel={cfg.attention_kernel}, but that kernel cannot be used: {reason}")
     log.info("prefill attention uses PyTorch kernels: the native kernel %s", reason)
     return None
-
-
-KERNELS_BY_NAME = {spec.name: str(dtype).removeprefix("torch.") for dtype, spec in KERNELS.items()}
 
 
 def create_engine(config: EngineConfig | None = None, store: KVStore | None = None) -> Engine:

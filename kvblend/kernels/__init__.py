@@ -61,6 +61,7 @@ KERNELS = {
         "avx2", "rows_attention_f32.c", ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread"),
         ("avx2", "fma"), torch.float32, "kvb_kernel_init"),
 }
+KERNELS_BY_NAME = {spec.name: spec for spec in KERNELS.values()}
 
 
 class KernelUnavailable(RuntimeError):
