@@ -47,20 +47,20 @@ class KernelSpec:
     cflags: tuple[str, ...]
     cpu_flags: tuple[str, ...]
     dtype: torch.dtype
-    init_symbol: str
+    # Called once after loading, 0 = usable (AMX asks the OS for tile state); None: nothing to set up.
+    init_symbol: str | None = None
 
 
-KERNELS = {
-    torch.bfloat16: KernelSpec(
+KERNELS = {spec.dtype: spec for spec in (
+    KernelSpec(
         "amx", "rows_attention.c",
         ("-O3", "-mtune=sapphirerapids", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16",
          "-mfma", "-mamx-tile", "-mamx-bf16", "-fPIC", "-shared", "-pthread"),
         ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"),
         torch.bfloat16, "kvb_amx_init"),
-    torch.float32: KernelSpec(
-        "avx2", "rows_attention_f32.c", ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread"),
-        ("avx2", "fma"), torch.float32, "kvb_kernel_init"),
-}
+    KernelSpec("avx2", "rows_attention_f32.c", ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread"),
+               ("avx2", "fma"), torch.float32),
+)}
 KERNELS_BY_NAME = {spec.name: spec for spec in KERNELS.values()}
 
 
@@ -184,16 +184,17 @@ def _build_and_load(spec: KernelSpec, out_dir: Path) -> RowsAttention:
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(path))
     _declare(lib, spec.init_symbol)
-    if getattr(lib, spec.init_symbol)() != 0:
+    if spec.init_symbol is not None and getattr(lib, spec.init_symbol)() != 0:
         raise KernelUnavailable(f"the OS refused the {spec.name} kernel's CPU state to this process (arch_prctl)")
     return RowsAttention(lib, path, spec)
 
 
-def _declare(lib: ctypes.CDLL, init_symbol: str) -> None:
+def _declare(lib: ctypes.CDLL, init_symbol: str | None) -> None:
     P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    init = getattr(lib, init_symbol)
-    init.restype = I
-    init.argtypes = []
+    if init_symbol is not None:
+        init = getattr(lib, init_symbol)
+        init.restype = I
+        init.argtypes = []
     lib.kvb_rows_attention_scratch_bytes.restype = L
     lib.kvb_rows_attention_scratch_bytes.argtypes = [L, I]
     lib.kvb_rows_attention.restype = I

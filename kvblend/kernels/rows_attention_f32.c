@@ -17,7 +17,6 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "rows_common.h"
@@ -307,9 +306,6 @@ static void attend_item(void *job, long item) {
     tile_of_item(item, jb->tiles_per_head, ROWS, &h, &m0);
     attend_tile(jb, h, m0);
 }
-
-/* Nothing to set up (the AMX twin asks the OS for tile state here). */
-int kvb_kernel_init(void) { return 0; }
 
 /* Bytes of scratch a call with these sizes needs (transposed rotated K), 32-byte aligned. */
 long kvb_rows_attention_scratch_bytes(long num_keys, int num_kv_heads) {
