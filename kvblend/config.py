@@ -137,6 +137,12 @@ class EngineConfig:
     # reuse / blend with a missing chunk: prefill its rows in context now and compute its standalone KV
     # after the first token (True), or compute it alone before the prefill (False: slower first token).
     defer_missing_chunks: bool = True
+    # Free KV-cache / workspace memory kept for reuse by later requests (0: allocate afresh every time).
+    buffer_pool_bytes: int = 1 << 30
+
+    def __post_init__(self):
+        if self.buffer_pool_bytes < 0:
+            raise ValueError(f"buffer_pool_bytes must be >= 0, got {self.buffer_pool_bytes}")
 
 
 STORE_TIERS = ("memory", "disk", "redis")

@@ -35,6 +35,9 @@ def test_bench_engine_modes_ratios_and_json(tmp_path):
     assert list(rows) == ["full", "reuse", "blend@0", "blend@1"]  # prefix was not asked for
     assert result["examples"] == 2 and result["dtype"] == "float32"
     assert all(r["n"] == 2 and r["ttft_median_ms"] > 0 for r in rows.values())
+    per_example = rows["blend@0"]["per_example"]
+    assert all(len(per_example[k]) == 2 for k in ("ttft_ms", "f1", "first_token_agree", "answers"))
+    assert sorted(per_example["ttft_ms"])[0] <= rows["blend@0"]["ttft_median_ms"] <= sorted(per_example["ttft_ms"])[1]
     # blend@1 recomputes every chunk token: the same first token and greedy text as full prefill
     assert rows["blend@1"]["first_token_agreement"] == 1.0 and rows["blend@1"]["rouge_l_vs_full"] == 1.0
     assert rows["full"]["speedup_vs_full"] == 1.0 and rows["full"]["first_token_kl_vs_full"] == 0.0

@@ -129,7 +129,9 @@ class _SlowReader(KVReader):
 
 def test_rows_computed_everywhere_still_wait_for_a_lagging_loader(tmp_path):
     """When every row is computed (blend@1 after the check layer) the loop still waits for each layer's
-    load: the loader writes the same rows, and a late write would replace fresh K/V with stored ones."""
+    load: the loader writes the same rows, and a late write would replace fresh K/V with stored ones.
+    Stored layer-0 K/V is used as is (it is context-free, so a real chunk's equals a fresh projection):
+    only that layer of the stand-in entry is genuine."""
     engine = tiny_engine(tiny_model_dir(tmp_path, "llama"))
     ops = engine.ops
     segs = engine.segments(["one two three " * 20, "four five six " * 25], "Question: sum?")
@@ -137,6 +139,7 @@ def test_rows_computed_everywhere_still_wait_for_a_lagging_loader(tmp_path):
     ref = run_prefill(ops, PrefillPlan(ids, None, None, torch.zeros(T, dtype=torch.bool), torch.arange(T)),
                       KVCache.allocate(ops, T))
     junk = ChunkKV(torch.randn_like(ref.fresh_k) * 50, torch.randn_like(ref.fresh_v) * 50)  # must never win
+    junk.k[0], junk.v[0] = ref.fresh_k[0], ref.fresh_v[0]
     cache = KVCache.allocate(ops, T)
     k_pre = torch.empty_like(ref.fresh_k)
     with LayerwiseLoader([(_SlowReader(TensorReader(junk), 0.05), 0)], k_pre, cache.v[:, :, :T]) as loader:
@@ -188,6 +191,40 @@ def test_other_architectures_blend_one_equals_full(tmp_path, model_type):
     blend = _first(engine, segs, "blend", 1.0, max_tokens=4)
     assert (blend.first_token_logits - full.first_token_logits).abs().max().item() <= FP32_ATOL
     assert blend.token_ids == full.token_ids
+
+
+@pytest.mark.parametrize("deviation", ["v", "kv"])
+def test_blend_paths_with_any_deviation_and_recycled_buffers_equal_unpooled(tmp_path, deviation):
+    """The check layer projects only V for every row with the value deviation (Q/K for the kept rows) and
+    all three otherwise; layer 0 takes stored rows' K/V as stored. Either way, and whether caches come
+    from the pool or not, blend and full give what a pool-less engine gives, and blend@1 equals full.
+    A live sequence's cache is never handed to another request; a dropped one's is."""
+    model = tiny_model_dir(tmp_path, "qwen3")  # q_norm / k_norm on the partial projections too
+    pooled, unpooled = tiny_engine(model, deviation=deviation), tiny_engine(model, deviation=deviation)
+    unpooled.config.buffer_pool_bytes = 0
+    unpooled.buffers = type(unpooled.buffers)(0)
+    segs = unpooled.segments(["one two three " * 20, "four five six " * 25, "seven " * 30], "Question: sum?")
+    for engine in (pooled, unpooled):
+        engine.precompute(segs.chunk_ids)
+    with no_blended_prefix(pooled), no_blended_prefix(unpooled):
+        results = {}
+        for name, engine in (("pooled", pooled), ("unpooled", unpooled)):
+            for mode, ratio in (("full", 1.0), ("blend", 0.3), ("blend", 1.0), ("blend", 0.3)):
+                results[name, mode, ratio] = _first(engine, segs, mode, ratio, max_tokens=3)
+    assert pooled.buffers.reused >= 3 and unpooled.buffers.reused == 0
+    for key in [k for k in results if k[0] == "pooled"]:
+        a, b = results[key], results[("unpooled",) + key[1:]]
+        assert torch.equal(a.first_token_logits, b.first_token_logits) and a.token_ids == b.token_ids
+    full, blend_one = results["pooled", "full", 1.0], results["pooled", "blend", 1.0]
+    assert (blend_one.first_token_logits - full.first_token_logits).abs().max().item() <= FP32_ATOL
+    live = pooled.start(GenerationRequest(segs, SamplingParams(max_tokens=3), mode="blend", recompute_ratio=0.3))
+    other = pooled.start(GenerationRequest(segs, SamplingParams(max_tokens=3), mode="full"))
+    spans = [(s.cache.k.data_ptr(), s.cache.v[-1, -1, -1].data_ptr()) for s in (live, other)]
+    assert spans[0][1] < spans[1][0] or spans[1][1] < spans[0][0]  # disjoint memory
+    reused = pooled.buffers.reused
+    del other  # dropped: its cache goes back to the pool and serves the next request
+    again = pooled.start(GenerationRequest(segs, SamplingParams(max_tokens=3), mode="full"))
+    assert pooled.buffers.reused > reused and again.cache.k.data_ptr() != live.cache.k.data_ptr()
 
 
 def test_blended_prefix_is_reused_by_the_next_question():

@@ -47,6 +47,11 @@ class ModeRun:
             "first_token_agreement": round(statistics.fmean(self.first_token_agree), 4) if self.first_token_agree else None,
             "rouge_l_vs_full": round(statistics.fmean(self.rouge_vs_full), 4) if self.rouge_vs_full else None,
             "first_token_kl_vs_full": round(statistics.fmean(self.kl_vs_full), 4) if self.kl_vs_full else None,
+            # one entry per example, in run order: paired comparisons and spreads, not only the means
+            "per_example": {"ttft_ms": [round(t, 2) for t in self.ttft_ms], "f1": [round(f, 4) for f in self.f1],
+                            "first_token_agree": self.first_token_agree,
+                            "first_token_kl_vs_full": [round(k, 5) for k in self.kl_vs_full],
+                            "answers": self.answers},
         }
 
 

@@ -15,11 +15,13 @@ position) and V at that layer. Rows computed at a layer overwrite the stored row
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from kvblend.blend.buffers import BufferPool, typed_view
 from kvblend.blend.rope import apply_rope, halves_repeat
 from kvblend.blend.selection import causal_mask, select_top_tokens, token_deviation
 from kvblend.models.transformer import TransformerOps
@@ -35,16 +37,31 @@ class KVCache:
     k: torch.Tensor
     v: torch.Tensor
     length: int = 0
+    # Where k and v live when they came from a pool: handed back by ``release``.
+    _buffer: torch.Tensor | None = None
+    _pool: BufferPool | None = None
 
     @classmethod
-    def allocate(cls, ops: TransformerOps, capacity: int) -> "KVCache":
+    def allocate(cls, ops: TransformerOps, capacity: int, pool: BufferPool | None = None) -> "KVCache":
         shape = (ops.num_layers, ops.num_kv_heads, capacity, ops.head_dim)
-        return cls(torch.empty(shape, dtype=ops.dtype, device=ops.device),
-                   torch.empty(shape, dtype=ops.dtype, device=ops.device))
+        if pool is None:
+            return cls(torch.empty(shape, dtype=ops.dtype, device=ops.device),
+                       torch.empty(shape, dtype=ops.dtype, device=ops.device))
+        stack = math.prod(shape) * torch.empty(0, dtype=ops.dtype).element_size()  # bytes of K (and of V)
+        buf = pool.take(2 * stack, ops.device)
+        return cls(typed_view(buf, shape, ops.dtype), typed_view(buf[stack:], shape, ops.dtype), 0, buf, pool)
 
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
+
+    def release(self) -> None:
+        """Hand pooled memory back; the cache is empty afterwards. Idempotent; a no-op if not pooled."""
+        if self._pool is not None and self._buffer is not None:
+            self._pool.give(self._buffer)
+        self._buffer = None
+        empty = self.k.new_empty((*self.k.shape[:2], 0, self.k.shape[3]))
+        self.k, self.v, self.length = empty, empty, 0
 
 
 @dataclass
@@ -103,17 +120,16 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
             # Also when every row is computed (blend@1 after the check layer): fresh rows overwrite
             # stored ones in these buffers, so the loader must be done with the layer first.
             plan.wait_layer(layer)
-        n = active.numel()
-        q, k, v = (t[:, :n] for t in ops.qkv(layer, h))  # [Hq, A, d], [Hkv, A, d] x2, pre-RoPE
-        keep = None
-        if layer in checks:
-            keep = _check_rows(plan, active, k, v, k_pre[layer], v_all[layer], checks[layer])
-        _write_rows(k_pre[layer], k, active, T)
-        _write_rows(v_all[layer], v, active, T)
-        if keep is not None:  # shrink to the selected rows from this layer's attention on
-            # rows gathered in q_proj's own [A, Hq, d] layout, so grouping them stays a view
-            q, h, active = q.transpose(0, 1)[keep].transpose(0, 1), _pad_rows(h[keep]), active[keep]
+        if layer in checks:  # shrink to the selected rows from this layer's attention on
+            q, keep, h = _check_layer_qkv(ops, plan, layer, h, active, k_pre[layer], v_all[layer], checks[layer])
+            active = active[keep]
             recomputed = active[plan.stored_mask[active.cpu()]].cpu()
+        elif layer == 0 and has_stored:
+            q = _first_layer_qkv(ops, plan, h, active, k_pre[0], v_all[0])
+        else:
+            q, k, v = (t[:, :active.numel()] for t in ops.qkv(layer, h))  # [Hq, A, d], [Hkv, A, d] x2, pre-RoPE
+            _write_rows(k_pre[layer], k, active, T)
+            _write_rows(v_all[layer], v, active, T)
         if layer == last_layer and active.numel() > 1:
             # Every row's K/V of this layer is written; only the last row's output (the logits) is read.
             last = active.numel() - 1
@@ -135,11 +151,12 @@ def _pad_rows(x: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
 
 
 def _write_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, num_rows: int) -> None:
-    """dst[:, rows] = src ([Hkv, A, d]); a plain copy when the rows are all of them (no index_put)."""
+    """dst[:, rows] = src ([Hkv, A, d]); a plain copy when the rows are all of them (index_copy_ otherwise:
+    a little faster than index_put for a blend's ~1k scattered rows)."""
     if rows.numel() == num_rows:
         dst.copy_(src)
     else:
-        dst[:, rows] = src
+        dst.index_copy_(1, rows, src)
 
 
 def create_attention(ops: TransformerOps, num_tokens: int):
@@ -285,7 +302,52 @@ def _working_buffers(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> 
     return torch.empty(shape, dtype=ops.dtype, device=ops.device), v_all
 
 
-def _check_rows(plan: PrefillPlan, active: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _first_layer_qkv(ops: TransformerOps, plan: PrefillPlan, h: torch.Tensor, active: torch.Tensor,
+                     k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
+    """Layer 0 of a plan with stored rows: returns q [Hq, A, d] of every active row, and writes fresh
+    K/V [Hkv, T, d] for the unstored active rows only. Layer-0 K/V depends on the token alone (no
+    attention precedes it), so a stored row's K/V there already is what a fresh projection gives."""
+    num_rows, T = active.numel(), k_layer.shape[1]
+    fresh = (~plan.stored_mask.to(active.device)[active]).nonzero().flatten()  # local indices
+    if fresh.numel() == num_rows:  # reuse / prefix: no stored row is computed, one matmul for all
+        q, k, v = (t[:, :num_rows] for t in ops.qkv(0, h))
+        _write_rows(k_layer, k, active, T)
+        _write_rows(v_layer, v, active, T)
+        return q
+    (q,) = ops.qkv(0, h, "q")
+    if fresh.numel():
+        k, v = (t[:, :fresh.numel()] for t in ops.qkv(0, _pad_rows(h[fresh]), "kv"))
+        _write_rows(k_layer, k, active[fresh], T)
+        _write_rows(v_layer, v, active[fresh], T)
+    return q[:, :num_rows]
+
+
+def _check_layer_qkv(ops: TransformerOps, plan: PrefillPlan, layer: int, h: torch.Tensor, active: torch.Tensor,
+                     k_layer: torch.Tensor, v_layer: torch.Tensor, num_keep: int):
+    """A check layer: writes fresh K/V of the active rows and returns (q [Hq, K, d] of the rows kept from
+    here on, their local indices into ``active`` [K], their hidden rows [K + pad, D]). With the value
+    deviation (the default) only V is projected for every row, Q and K only for the kept ones (~15%):
+    dropped rows keep their stored K at this layer, as at every later one."""
+    T = k_layer.shape[1]
+    num_rows = active.numel()
+    if plan.deviation == "v":
+        (v,) = ops.qkv(layer, h, "v")
+        v = v[:, :num_rows]
+        keep = _check_rows(plan, active, None, v, k_layer, v_layer, num_keep)
+        _write_rows(v_layer, v, active, T)
+        h = _pad_rows(h[keep])
+        q, k = (t[:, :keep.numel()] for t in ops.qkv(layer, h, "qk"))
+        _write_rows(k_layer, k, active[keep], T)
+        return q, keep, h
+    q, k, v = (t[:, :num_rows] for t in ops.qkv(layer, h))
+    keep = _check_rows(plan, active, k, v, k_layer, v_layer, num_keep)
+    _write_rows(k_layer, k, active, T)
+    _write_rows(v_layer, v, active, T)
+    # rows gathered in q_proj's own [A, Hq, d] layout, so grouping them stays a view
+    return q.transpose(0, 1)[keep].transpose(0, 1), keep, _pad_rows(h[keep])
+
+
+def _check_rows(plan: PrefillPlan, active: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor,
                 stored_k_layer: torch.Tensor, stored_v_layer: torch.Tensor, num_keep: int) -> torch.Tensor:
     """Local indices (into ``active``) that stay computed after this check layer.
 
@@ -295,7 +357,10 @@ def _check_rows(plan: PrefillPlan, active: torch.Tensor, k: torch.Tensor, v: tor
     is_stored = plan.stored_mask.to(active.device)[active]  # [A] bool
     cand = is_stored.nonzero().flatten()  # local indices of stored rows
     rows = active[cand]
-    dev = token_deviation(k[:, cand], v[:, cand], stored_k_layer[:, rows], stored_v_layer[:, rows], plan.deviation)
+    if k is None:  # the value deviation: keys are not compared
+        dev = token_deviation(None, v[:, cand], None, stored_v_layer[:, rows], plan.deviation)
+    else:
+        dev = token_deviation(k[:, cand], v[:, cand], stored_k_layer[:, rows], stored_v_layer[:, rows], plan.deviation)
     chosen = cand[select_top_tokens(dev, num_keep)]
     keep = torch.cat([(~is_stored).nonzero().flatten(), chosen])
     return keep.sort().values

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kvblend.blend.blender import KVCache, PrefillPlan, run_prefill
+from kvblend.blend.buffers import BufferPool, typed_view
 from kvblend.blend.rope import apply_rope, halves_repeat
 from kvblend.blend.segmenter import (CHUNK_SEPARATOR, Segments, build_segments, build_segments_from_parts,
                                      encode, render_template_halves, split_plain_text)
@@ -73,6 +75,9 @@ class Sequence:
         self.first_token_logits: torch.Tensor | None = None
         self.text = ""  # text emitted so far (stop strings never included)
         self.pending: list[TokenEvent] = []  # events produced by start() not yet handed out
+        # The cache's pooled memory goes back when the sequence is dropped (finished, cancelled or failed):
+        # nothing outside a Sequence holds its cache.
+        weakref.finalize(self, cache.release)
 
     def result(self) -> GenerationResult:
         return GenerationResult(list(self.generated), self.text, self.finish_reason or "length",
@@ -96,6 +101,8 @@ class Engine:
             ctx_text = render_template_halves(self.tokenizer, system=None)[0]
         self.chunk_context_ids = encode(self.tokenizer, ctx_text)
         self.eos_ids = _eos_ids(loaded)
+        # KV caches and prefill workspaces are recycled: fresh memory costs a page fault per 4 KiB written.
+        self.buffers = BufferPool(config.buffer_pool_bytes)
         # Chunks a request found missing: computed alone after its first token (run_deferred), so a
         # cold request costs one normal prefill and the next request with these chunks hits.
         self._deferred: dict[str, list[int]] = {}
@@ -151,10 +158,17 @@ class Engine:
             raise ValueError(f"chunk of {len(chunk_ids)} tokens (+{len(ctx)} context) exceeds the "
                              f"context window of {self.max_context_len} tokens")
         ids = torch.tensor(ctx + list(chunk_ids), dtype=torch.long)
-        plan = PrefillPlan(ids, None, None, torch.zeros(total, dtype=torch.bool), torch.arange(total))
-        out = run_prefill(self.ops, plan, KVCache.allocate(self.ops, total))
-        # [L, Hkv, len(chunk), d], contiguous copies so the store never aliases a working buffer.
-        return ChunkKV(out.fresh_k[:, :, len(ctx):].clone(), out.fresh_v[:, :, len(ctx):].clone())
+        cache = KVCache.allocate(self.ops, total, self.buffers)
+        k_buffer = self.buffers.take(cache.k.nbytes, self.ops.device)
+        try:
+            k_work = typed_view(k_buffer, _rows_shape(cache, total), self.ops.dtype)
+            plan = PrefillPlan(ids, k_work, None, torch.zeros(total, dtype=torch.bool), torch.arange(total))
+            out = run_prefill(self.ops, plan, cache)
+            # [L, Hkv, len(chunk), d], contiguous copies: the working buffers go back to the pool.
+            return ChunkKV(out.fresh_k[:, :, len(ctx):].clone(), out.fresh_v[:, :, len(ctx):].clone())
+        finally:
+            self.buffers.give(k_buffer)
+            cache.release()
 
     # ---- prefill + decode ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -171,11 +185,27 @@ class Engine:
         max_new = request.sampling.max_tokens
         if num_tokens + max_new > self.max_context_len:
             raise ContextLengthError(num_tokens, max_new, self.max_context_len)
-        cache = KVCache.allocate(self.ops, num_tokens + max_new)
+        cache = KVCache.allocate(self.ops, num_tokens + max_new, self.buffers)
+        k_buffer = self.buffers.take(cache.k[:, :, :num_tokens].nbytes, self.ops.device)
+        k_work = typed_view(k_buffer, _rows_shape(cache, num_tokens), self.ops.dtype)
+        try:
+            seq = self._prefill(request, mode, ratio, cache, k_work, t0)
+        except BaseException:
+            cache.release()
+            raise
+        finally:
+            self.buffers.give(k_buffer)  # the pre-RoPE K workspace: nothing reads it past the prefill
+        return seq
+
+    def _prefill(self, request: GenerationRequest, mode: str, ratio: float, cache: KVCache, k_work: torch.Tensor,
+                 t0: float) -> Sequence:
+        """Plan, run the layer loop (once more if stored KV fails mid-read), sample the first token.
+        k_work [L, Hkv, T, d]: pre-RoPE K of the prompt rows, stored rows loaded into it."""
+        segs, num_tokens = request.segments, request.segments.num_tokens
         for attempt in range(2):
             stats = PrefillStats(mode=mode, recompute_ratio=ratio if mode == "blend" else (0.0 if mode == "reuse" else 1.0),
                                  prompt_tokens=num_tokens)
-            plan, stored, to_store, loader = self._plan(segs, mode, ratio, request.namespace, stats, cache)
+            plan, stored, to_store, loader = self._plan(segs, mode, ratio, request.namespace, stats, cache, k_work)
             t_loaded = time.perf_counter()
             try:
                 out = run_prefill(self.ops, plan, cache)
@@ -204,8 +234,9 @@ class Engine:
         return seq
 
     def _plan(self, segs: Segments, mode: str, ratio: float, namespace: str, stats: PrefillStats,
-              cache: KVCache):
-        """Look segments up in the store for ``mode`` and build the layer-loop plan.
+              cache: KVCache, k_work: torch.Tensor):
+        """Look segments up in the store for ``mode`` and build the layer-loop plan; stored K loads into
+        ``k_work`` [L, Hkv, T, d], stored V into the cache.
 
         Returns (plan, stored segments, [(prefix key, row start, row end)] to store after the
         prefill, the loader filling the plan's stored rows layer by layer or None)."""
@@ -219,10 +250,8 @@ class Engine:
         else:
             stored, to_store = self._lookup_chunks(segs, namespace, stats, f"{mode}@{ratio:g}")
         stored_mask = torch.zeros(num_tokens, dtype=torch.bool)
-        stored_k = stored_v = loader = None
+        stored_k, stored_v, loader = k_work, None, None  # k_work also holds the fresh rows' K
         if stored:
-            shape = (self.ops.num_layers, self.ops.num_kv_heads, num_tokens, self.ops.head_dim)
-            stored_k = torch.empty(shape, dtype=self.ops.dtype, device=self.ops.device)
             stored_v = cache.v[:, :, :num_tokens]  # values load straight into the attention cache
             sources = [(seg.reader, seg.row_start) for seg in stored]
             for seg in stored:
@@ -447,6 +476,12 @@ class Engine:
         for item in self.generate(request):
             result = item
         return result
+
+
+def _rows_shape(cache: KVCache, num_rows: int) -> tuple[int, int, int, int]:
+    """[L, Hkv, num_rows, d]: a per-layer stack like the cache's, ``num_rows`` long."""
+    layers, heads, _, dim = cache.k.shape
+    return layers, heads, num_rows, dim
 
 
 def _partial_suffix(text: str, stop: str) -> int:

@@ -12,6 +12,9 @@ import torch
 import torch.nn.functional as F
 
 
+_QKV_PARTS = ("qkv", "qk", "kv", "q", "k", "v")
+
+
 class TransformerOps:
     def __init__(self, hf_model: torch.nn.Module, rows_attention=None):
         hf_model.requires_grad_(False)  # inference only: no autograd graph behind any activation
@@ -42,10 +45,22 @@ class TransformerOps:
         self.gate_up_proj = [_fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers] if self.fused_mlp else []
         # kvblend.kernels.RowsAttention (native attention with RoPE fused: AMX bf16 / AVX2 fp32) or None.
         self.rows_attention = rows_attention
+        self._rope_half: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope_half_tables
 
     def rope_half_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """fp32 (cos, sin) [num_positions, head_dim / 2] from the model's rotary module, or None when its
-        tables do not repeat their first half (the form the native kernel rotates with)."""
+        tables do not repeat their first half (the form the native kernel rotates with). Kept for the
+        longest prompt so far and sliced (~8 ms a 6k-token prompt otherwise), except for "dynamic" RoPE,
+        whose frequencies depend on the length asked for."""
+        cached = self._rope_half
+        if cached is not None and cached[0].shape[0] >= num_positions:
+            return cached[0][:num_positions], cached[1][:num_positions]
+        tables = self._compute_rope_half_tables(num_positions)
+        if tables is not None and "dynamic" not in str(getattr(self.rotary, "rope_type", "")):
+            self._rope_half = tables
+        return tables
+
+    def _compute_rope_half_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         probe = torch.empty(0, dtype=torch.float32, device=self.device)
         cos, sin = self.rotary(probe, torch.arange(num_positions, device=self.device).view(1, -1))
         cos, sin = cos[0].float(), sin[0].float()
@@ -63,18 +78,29 @@ class TransformerOps:
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(token_ids.to(self.device))  # [A, D]
 
-    def qkv(self, layer_idx: int, h: torch.Tensor):
-        """Pre-RoPE q [Hq, A, d], k [Hkv, A, d] and v [Hkv, A, d] of rows ``h`` [A, D]."""
+    def qkv(self, layer_idx: int, h: torch.Tensor, parts: str = "qkv"):
+        """Pre-RoPE projections of rows ``h`` [A, D]: q [Hq, A, d], k [Hkv, A, d], v [Hkv, A, d], one per
+        letter of ``parts`` ("qkv", "qk", "kv", "q", "k" or "v": rows of the fused weight in that order,
+        so a part is one matmul over a slice of it; a blend needs only some parts for some rows)."""
+        if parts not in _QKV_PARTS:
+            raise ValueError(f"parts must be one of {_QKV_PARTS}, got {parts!r}")
         layer = self.layers[layer_idx]
         attn = layer.self_attn
         x = _rms_norm(layer.input_layernorm, h)
         n = x.shape[0]
+        first, last = "qkv".index(parts[0]), "qkv".index(parts[-1]) + 1
+        bounds = [0, self.qkv_split[0], self.qkv_split[0] + self.qkv_split[1], sum(self.qkv_split)]
         weight, bias = self.qkv_proj[layer_idx]
-        q, k, v = F.linear(x, weight, bias).split(self.qkv_split, dim=-1)  # views of one [A, (Hq+2Hkv)*d]
-        q, k, v = (t.view(n, -1, self.head_dim) for t in (q, k, v))
+        rows = slice(bounds[first], bounds[last])
+        out = F.linear(x, weight[rows], None if bias is None else bias[rows])  # [A, sum of the parts' widths]
+        tensors = out.split(self.qkv_split[first:last], dim=-1)
+        tensors = {p: t.view(n, -1, self.head_dim) for p, t in zip(parts, tensors)}
         if self.has_qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+            if "q" in tensors:
+                tensors["q"] = attn.q_norm(tensors["q"])
+            if "k" in tensors:
+                tensors["k"] = attn.k_norm(tensors["k"])
+        return tuple(tensors[p].transpose(0, 1) for p in parts)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                causal: bool = True) -> torch.Tensor:
