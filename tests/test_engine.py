@@ -15,7 +15,8 @@ import torch
 from engine_fixtures import INSTRUCTION, embedded_engine, musique_docs, tiny_engine, tiny_model_dir
 from kvblend.blend.blender import KVCache, PrefillPlan, row_blocks, run_prefill
 from kvblend.blend.rope import apply_rope, unapply_rope
-from kvblend.engine.engine import ContextLengthError
+from kvblend.config import BlendConfig, EngineConfig, ModelConfig
+from kvblend.engine.engine import ContextLengthError, create_engine
 from kvblend.engine.request import GenerationRequest, SamplingParams
 from kvblend.engine.kv_loader import LayerwiseLoader
 from kvblend.models.loader import ModelLoadError
@@ -200,15 +201,16 @@ def test_blend_paths_with_any_deviation_and_recycled_buffers_equal_unpooled(tmp_
     from the pool or not, blend and full give what a pool-less engine gives, and blend@1 equals full.
     A live sequence's cache is never handed to another request; a dropped one's is."""
     model = tiny_model_dir(tmp_path, "qwen3")  # q_norm / k_norm on the partial projections too
-    pooled, unpooled = tiny_engine(model, deviation=deviation), tiny_engine(model, deviation=deviation)
-    unpooled.config.buffer_pool_bytes = 0
-    unpooled.buffers = type(unpooled.buffers)(0)
+    pooled = tiny_engine(model, deviation=deviation)
+    unpooled = create_engine(EngineConfig(model=ModelConfig(model=str(model), dtype="float32"),
+                                          blend=BlendConfig(deviation=deviation), buffer_pool_bytes=0))
     segs = unpooled.segments(["one two three " * 20, "four five six " * 25, "seven " * 30], "Question: sum?")
     for engine in (pooled, unpooled):
         engine.precompute(segs.chunk_ids)
     with no_blended_prefix(pooled), no_blended_prefix(unpooled):
         results = {}
         for name, engine in (("pooled", pooled), ("unpooled", unpooled)):
+            # blend@0.3 twice: the pooled engine's second one runs on buffers an earlier request gave back
             for mode, ratio in (("full", 1.0), ("blend", 0.3), ("blend", 1.0), ("blend", 0.3)):
                 results[name, mode, ratio] = _first(engine, segs, mode, ratio, max_tokens=3)
     assert pooled.buffers.reused >= 3 and unpooled.buffers.reused == 0
