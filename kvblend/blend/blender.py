@@ -127,9 +127,7 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
         elif layer == 0 and has_stored:
             q = _first_layer_qkv(ops, plan, h, active, k_pre[0], v_all[0])
         else:
-            q, k, v = (t[:, :active.numel()] for t in ops.qkv(layer, h))  # [Hq, A, d], [Hkv, A, d] x2, pre-RoPE
-            _write_rows(k_pre[layer], k, active, T)
-            _write_rows(v_all[layer], v, active, T)
+            q = _project_rows(ops, layer, h, active, k_pre[layer], v_all[layer])
         if layer == last_layer and active.numel() > 1:
             # Every row's K/V of this layer is written; only the last row's output (the logits) is read.
             last = active.numel() - 1
@@ -302,6 +300,16 @@ def _working_buffers(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> 
     return torch.empty(shape, dtype=ops.dtype, device=ops.device), v_all
 
 
+def _project_rows(ops: TransformerOps, layer: int, h: torch.Tensor, active: torch.Tensor, k_layer: torch.Tensor,
+                  v_layer: torch.Tensor) -> torch.Tensor:
+    """Q/K/V of every active row: writes their pre-RoPE K and V into k_layer / v_layer [Hkv, T, d] and
+    returns q [Hq, A, d] (pre-RoPE)."""
+    q, k, v = (t[:, :active.numel()] for t in ops.qkv(layer, h))
+    _write_rows(k_layer, k, active, k_layer.shape[1])
+    _write_rows(v_layer, v, active, v_layer.shape[1])
+    return q
+
+
 def _first_layer_qkv(ops: TransformerOps, plan: PrefillPlan, h: torch.Tensor, active: torch.Tensor,
                      k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
     """Layer 0 of a plan with stored rows: returns q [Hq, A, d] of every active row, and writes fresh
@@ -310,10 +318,7 @@ def _first_layer_qkv(ops: TransformerOps, plan: PrefillPlan, h: torch.Tensor, ac
     num_rows, T = active.numel(), k_layer.shape[1]
     fresh = (~plan.stored_mask.to(active.device)[active]).nonzero().flatten()  # local indices
     if fresh.numel() == num_rows:  # reuse / prefix: no stored row is computed, one matmul for all
-        q, k, v = (t[:, :num_rows] for t in ops.qkv(0, h))
-        _write_rows(k_layer, k, active, T)
-        _write_rows(v_layer, v, active, T)
-        return q
+        return _project_rows(ops, 0, h, active, k_layer, v_layer)
     (q,) = ops.qkv(0, h, "q")
     if fresh.numel():
         k, v = (t[:, :fresh.numel()] for t in ops.qkv(0, _pad_rows(h[fresh]), "kv"))
