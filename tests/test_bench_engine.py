@@ -44,10 +44,55 @@ def test_bench_engine_modes_ratios_and_json(tmp_path):
     assert rows["blend@1"]["first_token_kl_vs_full"] <= 1e-4  # fp32: the same logits as full prefill
     assert rows["reuse"]["first_token_kl_vs_full"] > rows["blend@1"]["first_token_kl_vs_full"]
     assert "| blend@0 |" in proc.stdout and f"wrote {out}" in proc.stdout
+    # the quality-vs-ratio curve: reuse at 0, blend ratios, full at 1; blend@1 reaches 90% agreement
+    curve = result["quality_vs_ratio"]
+    assert [(p["name"], p["ratio"]) for p in curve] == [("blend@0", 0.0), ("reuse", 0.0), ("blend@1", 1.0), ("full", 1.0)]
+    assert curve[-1]["f1_share_of_full"] in (None, 1.0) and curve[-1]["first_token_agreement"] == 1.0
+    expected_smallest = 0.0 if rows["blend@0"]["first_token_agreement"] >= 0.9 else 1.0
+    assert result["smallest_ratio_agreement_90"] == expected_smallest
+    assert "smallest recompute ratio reaching 90% first-token agreement" in proc.stdout
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in proc.stdout
+
+    # --offset: each example alone, in the passage order the two-example run gave it; --pool merges them
+    # into what that run reported (TTFT aside, which is measured anew)
+    halves = []
+    for offset in (0, 1):
+        half = tmp_path / f"engine-{offset}.json"
+        proc = _bench("--examples", "1", "--offset", str(offset), "--data", str(_short_musique(tmp_path)),
+                      "--modes", "full,reuse,blend", "--ratios", "0,1", "--max-tokens", "6", "--dtype", "float32",
+                      "--no-plot", "--out", str(half))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert not half.with_suffix(".png").exists()
+        halves.append(half)
+    second = json.loads(halves[1].read_text())
+    assert second["examples"] == 1 and second["offset"] == 1
+    assert second["modes"][0]["per_example"]["answers"] == rows["full"]["per_example"]["answers"][1:]
+    pooled_path = tmp_path / "pooled.json"
+    proc = _bench("--pool", str(halves[1]), str(halves[0]), "--no-plot", "--out", str(pooled_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    pooled = json.loads(pooled_path.read_text())
+    assert pooled["examples"] == 2 and pooled["pooled_from"] == [str(halves[0]), str(halves[1])]
+    for row in pooled["modes"]:
+        ref = rows[row["name"]]
+        assert row["per_example"]["answers"] == ref["per_example"]["answers"]
+        for key in ("f1", "first_token_agreement", "rouge_l_vs_full"):
+            assert row[key] == ref[key], (row["name"], key)
+        assert abs(row["first_token_kl_vs_full"] - ref["first_token_kl_vs_full"]) <= 1e-4
+    proc = _bench("--pool", str(out), str(halves[1]), "--no-plot", "--out", str(tmp_path / "bad.json"))
+    assert proc.returncode != 0 and "overlaps an earlier file's range" in proc.stderr
 
 
 def test_bench_engine_rejects_an_unknown_mode(tmp_path):
     proc = _bench("--examples", "1", "--modes", "full,fast", "--out", str(tmp_path / "x.json"))
     assert proc.returncode != 0
     assert "unknown mode(s) fast" in proc.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_bench_engine_rejects_an_offset_past_the_data(tmp_path):
+    proc = _bench("--examples", "1", "--offset", "2", "--data", str(_short_musique(tmp_path)),
+                  "--out", str(tmp_path / "x.json"))
+    assert proc.returncode != 0
+    assert "--offset 2 skips all 2 examples" in proc.stderr
     assert not (tmp_path / "x.json").exists()

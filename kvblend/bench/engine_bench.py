@@ -51,12 +51,29 @@ class ModeRun:
             "per_example": {"ttft_ms": [round(t, 2) for t in self.ttft_ms], "f1": [round(f, 4) for f in self.f1],
                             "first_token_agree": self.first_token_agree,
                             "first_token_kl_vs_full": [round(k, 5) for k in self.kl_vs_full],
+                            "rouge_l_vs_full": [round(r, 4) for r in self.rouge_vs_full],
                             "answers": self.answers},
         }
+
+    def extend(self, row: dict) -> None:
+        """Append a saved summary row's per-example results (``--pool``)."""
+        pe = row["per_example"]
+        n = len(pe["ttft_ms"])
+        self.ttft_ms += pe["ttft_ms"]
+        self.f1 += pe["f1"]
+        self.first_token_agree += pe["first_token_agree"]
+        self.kl_vs_full += pe.get("first_token_kl_vs_full") or []
+        # Files written before per-example Rouge-L kept only the mean: n copies of it pool to the same
+        # weighted mean (no median or spread of Rouge-L is reported).
+        self.rouge_vs_full += pe.get("rouge_l_vs_full") or [row["rouge_l_vs_full"]] * n
+        self.answers += pe["answers"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--examples", type=int, default=10, help="number of MuSiQue examples (default 10)")
+    p.add_argument("--offset", type=int, default=0,
+                   help="skip the first K examples; each example keeps the passage order a run from 0 gives it, "
+                        "so runs over disjoint ranges can be pooled (default 0)")
     p.add_argument("--data", default=None, help="MuSiQue JSON (default ../shared/data/musique_dev.json)")
     p.add_argument("--model", default="", help="HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
@@ -77,6 +94,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per answer (default 32)")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/engine-<model>-<dtype>.json)")
+    p.add_argument("--pool", nargs="+", metavar="JSON", default=None,
+                   help="run nothing: merge the per-example results of earlier runs over disjoint --offset "
+                        "ranges (same model, dtype, modes and settings) into one report at --out")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG (the JSON path with .png) of TTFT and "
+                                                          "quality against the recompute ratio")
 
 
 def run(args) -> int:
@@ -87,32 +109,41 @@ def run(args) -> int:
     from kvblend.engine.request import GenerationRequest, SamplingParams
     from kvblend.store.memory import MemoryStore
 
+    if args.pool:
+        pooled = pool_results(args.pool)
+        return _publish(pooled, args, f"bench/results/engine-{_slug(pooled['model'])}-{pooled['dtype']}-pooled.json")
     ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise SystemExit(f"kvblend bench engine: unknown mode(s) {', '.join(unknown)} (choose from {', '.join(MODES)})")
+    if args.offset < 0 or args.examples < 1:
+        raise SystemExit("kvblend bench engine: --examples must be >= 1 and --offset >= 0")
     blend_cfg = BlendConfig(check_layers=tuple(int(x) for x in args.check_layers.split(",")),
                             check_ratios=tuple(float(x) for x in args.check_ratios.split(",") if x.strip()),
                             deviation=args.deviation)
     model_kwargs = {"attention_kernel": args.attention_kernel} if args.attention_kernel else {}
     cfg = EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, **model_kwargs),
                        blend=blend_cfg)
-    engine = create_engine(cfg)
-    examples = load_musique(args.data or DEFAULT_MUSIQUE, limit=args.examples)
+    examples = load_musique(args.data or DEFAULT_MUSIQUE, limit=args.offset + args.examples)
+    if len(examples) <= args.offset:
+        raise SystemExit(f"kvblend bench engine: --offset {args.offset} skips all {len(examples)} examples")
+    engine = create_engine(cfg)  # after the data checks: a bad flag costs no model load
     runs = [ModeRun("full", "full", 1.0)]
     runs += [ModeRun(m, m, 1.0 if m == "prefix" else 0.0) for m in ("prefix", "reuse") if m in modes]
     runs += [ModeRun(f"blend@{r:g}", "blend", r) for r in (ratios if "blend" in modes else [])]
     rng = random.Random(args.seed)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    progress = _progress(len(examples))
+    progress = _progress(len(examples) - args.offset)
     prompt_lens = []
-    for ex in examples:
+    for index, ex in enumerate(examples):
+        shuffled = list(ex.passages)
+        rng.shuffle(shuffled)  # drawn for skipped examples too: an example's order never depends on --offset
+        if index < args.offset:
+            continue
         engine.store = MemoryStore()  # bounded memory: each example starts with an empty store
         question = f"Question: {ex.question}\n{_answer_hint()}"
         cached_order = engine.segments(ex.passages, question, instruction=DEFAULT_INSTRUCTION + "\n\n")
-        shuffled = list(ex.passages)
-        rng.shuffle(shuffled)
         segs = engine.segments(shuffled, question, instruction=DEFAULT_INSTRUCTION + "\n\n")
         prompt_lens.append(segs.num_tokens)
         engine.precompute(segs.chunk_ids)  # untimed: chunk KV is computed once, offline
@@ -132,20 +163,102 @@ def run(args) -> int:
             mr.rouge_vs_full.append(rouge_l(res.text, full_result.text))
         progress.advance()
     progress.close()
-    rows = [mr.summary(runs[0]) for mr in runs]
     result = {
         "bench": "engine", "model": engine.model_id, "model_dir": str(engine.loaded.model_dir),
-        "dtype": cfg.model.dtype, "attention_kernel": engine.attention_kernel, "examples": len(examples), "check_layers": list(blend_cfg.check_layers),
+        "dtype": cfg.model.dtype, "attention_kernel": engine.attention_kernel,
+        "examples": len(examples) - args.offset, "offset": args.offset, "check_layers": list(blend_cfg.check_layers),
         "check_ratios": list(blend_cfg.check_ratios), "deviation": args.deviation, "max_tokens": args.max_tokens,
-        "threads": _threads(), "prompt_tokens_median": statistics.median(prompt_lens), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "modes": rows,
+        "seed": args.seed, "data": args.data, "threads": _threads(), "prompt_tokens_median": statistics.median(prompt_lens), "prompt_tokens": prompt_lens,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "modes": [mr.summary(runs[0]) for mr in runs],
     }
-    out = Path(args.out or f"bench/results/engine-{_slug(engine.model_id)}-{cfg.model.dtype}.json")
+    return _publish(result, args, f"bench/results/engine-{_slug(engine.model_id)}-{cfg.model.dtype}.json")
+
+
+def _publish(result: dict, args, default_out: str) -> int:
+    """Add the quality-vs-ratio curve; write the JSON, the Markdown table and (unless --no-plot) the PNG."""
+    result["quality_vs_ratio"] = quality_curve(result["modes"])
+    result["smallest_ratio_agreement_90"] = smallest_ratio(result["quality_vs_ratio"], "first_token_agreement", 0.9)
+    out = Path(args.out or default_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(render_table(result))
     print(f"\nwrote {out}")
+    if not args.no_plot:
+        from kvblend.bench.plots import plot_engine
+
+        plot_engine(result, out.with_suffix(".png"))
+        print(f"wrote {out.with_suffix('.png')}")
     return 0
+
+
+POOL_SAME = ("model", "dtype", "attention_kernel", "check_layers", "check_ratios", "deviation", "max_tokens", "seed",
+             "data")
+POOL_DEFAULTS = {"seed": 0, "data": None}  # what files written before these keys were recorded used
+
+
+def pool_results(paths: list[str]) -> dict:
+    """One report from runs over disjoint example ranges: per-example results concatenated in example
+    order and every summary recomputed from them (medians, paired ratios, means)."""
+    parts = [(str(p), _read_result(p)) for p in paths]
+    parts.sort(key=lambda part: part[1].get("offset", 0))
+    first = parts[0][1]
+    names = [row["name"] for row in first["modes"]]
+    end = None
+    for path, part in parts:
+        differs = [k for k in POOL_SAME if part.get(k, POOL_DEFAULTS.get(k)) != first.get(k, POOL_DEFAULTS.get(k))]
+        if differs or [row["name"] for row in part["modes"]] != names:
+            raise SystemExit(f"kvblend bench engine --pool: {path} differs from {parts[0][0]} in "
+                             f"{', '.join(differs) or 'its modes'}; only runs with the same settings pool")
+        start = part.get("offset", 0)
+        if end is not None and start < end:
+            raise SystemExit(f"kvblend bench engine --pool: {path} (examples {start}-{start + part['examples'] - 1}) "
+                             f"overlaps an earlier file's range")
+        end = start + part["examples"]
+    runs = [ModeRun(row["name"], row["mode"], row["ratio"]) for row in first["modes"]]
+    for _, part in parts:
+        for mr, row in zip(runs, part["modes"]):
+            mr.extend(row)
+    prompt_lens = [n for _, part in parts for n in part.get("prompt_tokens", [])]
+    pooled = {k: first.get(k, POOL_DEFAULTS.get(k)) for k in ("bench", "model", "model_dir", *POOL_SAME, "threads")}
+    pooled.update({
+        "examples": sum(part["examples"] for _, part in parts), "offset": first.get("offset", 0),
+        "pooled_from": [path for path, _ in parts],
+        "prompt_tokens_median": statistics.median(prompt_lens) if len(prompt_lens) == len(runs[0].ttft_ms) else None,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "modes": [mr.summary(runs[0]) for mr in runs],
+    })
+    return pooled
+
+
+def _read_result(path: str) -> dict:
+    try:
+        result = json.loads(Path(path).read_text())
+        if result.get("bench") != "engine" or "per_example" not in result["modes"][0]:
+            raise ValueError("not a `bench engine` result with per-example arrays")
+        return result
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise SystemExit(f"kvblend bench engine --pool: cannot use {path}: {e}") from None
+
+
+def quality_curve(rows: list[dict]) -> list[dict]:
+    """Quality and speed against the recompute ratio: reuse is ratio 0 and full ratio 1 (what blend
+    reaches at either end), then every blend ratio run; sorted by ratio, blend first on a tie."""
+    full = rows[0]
+    points = []
+    for r in rows:
+        if r["mode"] not in ("full", "reuse", "blend"):
+            continue
+        f1_share = r["f1"] / full["f1"] if full["f1"] else None
+        points.append({"name": r["name"], "mode": r["mode"], "ratio": r["ratio"], "speedup_vs_full": r["speedup_vs_full"],
+                       "first_token_agreement": r["first_token_agreement"],
+                       "first_token_kl_vs_full": r.get("first_token_kl_vs_full"), "rouge_l_vs_full": r["rouge_l_vs_full"],
+                       "f1": r["f1"], "f1_share_of_full": None if f1_share is None else round(f1_share, 4)})
+    return sorted(points, key=lambda p: (p["ratio"], p["name"] in ("full", "reuse")))
+
+
+def smallest_ratio(curve: list[dict], metric: str, threshold: float) -> float | None:
+    """The smallest blend recompute ratio whose ``metric`` reaches ``threshold`` (None if none run does)."""
+    hits = [p["ratio"] for p in curve if p["mode"] == "blend" and p[metric] is not None and p[metric] >= threshold]
+    return min(hits) if hits else None
 
 
 def first_token_kl(reference_logits, logits) -> float:
@@ -173,6 +286,10 @@ def render_table(result: dict) -> str:
                      f"{f'{paired:.2f}x' if paired else '-'} | {r['f1']:.3f} | "
                      f"{r['first_token_agreement']:.0%} | {_num(r.get('first_token_kl_vs_full'))} | "
                      f"{r['rouge_l_vs_full']:.3f} |")
+    smallest = result.get("smallest_ratio_agreement_90")
+    if "quality_vs_ratio" in result:
+        lines += ["", "smallest recompute ratio reaching 90% first-token agreement: "
+                  + ("none of the blend ratios run" if smallest is None else f"{smallest:g}")]
     return "\n".join(lines)
 
 

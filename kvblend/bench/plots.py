@@ -89,3 +89,36 @@ def plot_load(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_engine(result: dict, path: Path) -> None:
+    """`bench engine` against the recompute ratio (reuse at 0, full at 1): left, speedup over full
+    prefill; right, first-token agreement and F1 as a share of full's."""
+    plt = _pyplot()
+    curve = result["quality_vs_ratio"]
+    blend = [p for p in curve if p["mode"] == "blend"]
+    ends = [p for p in curve if p["mode"] != "blend"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot([p["ratio"] for p in blend], [p["speedup_vs_full"] for p in blend], "o-", label="blend")
+    for p in ends:
+        left.plot([p["ratio"]], [p["speedup_vs_full"]], "s", label=p["name"])
+    left.set_yscale("log")
+    left.set_xlabel("recompute ratio")
+    left.set_ylabel("median TTFT speedup vs full (log)")
+    left.legend()
+    for metric, label, color in (("first_token_agreement", "first-token agreement", "tab:blue"),
+                                 ("f1_share_of_full", "F1 / full's F1", "tab:green")):
+        pts = [p for p in curve if p[metric] is not None]
+        right.plot([p["ratio"] for p in pts if p["mode"] == "blend"], [p[metric] for p in pts if p["mode"] == "blend"],
+                   "o-", color=color, label=f"blend: {label}")
+        for mode, marker in (("reuse", "x"), ("full", "s")):
+            right.plot([p["ratio"] for p in pts if p["mode"] == mode], [p[metric] for p in pts if p["mode"] == mode],
+                       marker, color=color, markersize=8, label=f"{mode}: {label}")
+    right.axhline(0.9, color="grey", linestyle=":", linewidth=1)
+    right.set_xlabel("recompute ratio")
+    right.set_ylabel("vs full prefill")
+    right.legend(fontsize=8)
+    fig.suptitle(f"bench engine: {result['model']} ({result['dtype']}), {result['examples']} MuSiQue examples")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
