@@ -26,8 +26,8 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_bench_engine_modes_ratios_and_json(tmp_path):
-    out = tmp_path / "engine.json"
-    proc = _bench("--examples", "2", "--data", str(_short_musique(tmp_path)), "--modes", "full,reuse,blend",
+    out, data = tmp_path / "engine.json", _short_musique(tmp_path)
+    proc = _bench("--examples", "2", "--data", str(data), "--modes", "full,reuse,blend",
                   "--ratios", "0,1", "--max-tokens", "6", "--dtype", "float32", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -59,7 +59,7 @@ def test_bench_engine_modes_ratios_and_json(tmp_path):
     halves = []
     for offset in (0, 1):
         half = tmp_path / f"engine-{offset}.json"
-        proc = _bench("--examples", "1", "--offset", str(offset), "--data", str(_short_musique(tmp_path)),
+        proc = _bench("--examples", "1", "--offset", str(offset), "--data", str(data),
                       "--modes", "full,reuse,blend", "--ratios", "0,1", "--max-tokens", "6", "--dtype", "float32",
                       "--no-plot", "--out", str(half))
         assert proc.returncode == 0, proc.stderr[-2000:]

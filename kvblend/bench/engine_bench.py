@@ -128,13 +128,14 @@ def run(args) -> int:
     examples = load_musique(args.data or DEFAULT_MUSIQUE, limit=args.offset + args.examples)
     if len(examples) <= args.offset:
         raise SystemExit(f"kvblend bench engine: --offset {args.offset} skips all {len(examples)} examples")
+    num_run = len(examples) - args.offset
     engine = create_engine(cfg)  # after the data checks: a bad flag costs no model load
     runs = [ModeRun("full", "full", 1.0)]
     runs += [ModeRun(m, m, 1.0 if m == "prefix" else 0.0) for m in ("prefix", "reuse") if m in modes]
     runs += [ModeRun(f"blend@{r:g}", "blend", r) for r in (ratios if "blend" in modes else [])]
     rng = random.Random(args.seed)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    progress = _progress(len(examples) - args.offset)
+    progress = _progress(num_run)
     prompt_lens = []
     for index, ex in enumerate(examples):
         shuffled = list(ex.passages)
@@ -166,9 +167,10 @@ def run(args) -> int:
     result = {
         "bench": "engine", "model": engine.model_id, "model_dir": str(engine.loaded.model_dir),
         "dtype": cfg.model.dtype, "attention_kernel": engine.attention_kernel,
-        "examples": len(examples) - args.offset, "offset": args.offset, "check_layers": list(blend_cfg.check_layers),
+        "examples": num_run, "offset": args.offset, "check_layers": list(blend_cfg.check_layers),
         "check_ratios": list(blend_cfg.check_ratios), "deviation": args.deviation, "max_tokens": args.max_tokens,
-        "seed": args.seed, "data": args.data, "threads": _threads(), "prompt_tokens_median": statistics.median(prompt_lens), "prompt_tokens": prompt_lens,
+        "seed": args.seed, "data": args.data, "threads": _threads(),
+        "prompt_tokens_median": statistics.median(prompt_lens), "prompt_tokens": prompt_lens,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "modes": [mr.summary(runs[0]) for mr in runs],
     }
     return _publish(result, args, f"bench/results/engine-{_slug(engine.model_id)}-{cfg.model.dtype}.json")
@@ -196,6 +198,10 @@ POOL_SAME = ("model", "dtype", "attention_kernel", "check_layers", "check_ratios
 POOL_DEFAULTS = {"seed": 0, "data": None}  # what files written before these keys were recorded used
 
 
+def _setting(result: dict, key: str):
+    return result.get(key, POOL_DEFAULTS.get(key))
+
+
 def pool_results(paths: list[str]) -> dict:
     """One report from runs over disjoint example ranges: per-example results concatenated in example
     order and every summary recomputed from them (medians, paired ratios, means)."""
@@ -205,7 +211,7 @@ def pool_results(paths: list[str]) -> dict:
     names = [row["name"] for row in first["modes"]]
     end = None
     for path, part in parts:
-        differs = [k for k in POOL_SAME if part.get(k, POOL_DEFAULTS.get(k)) != first.get(k, POOL_DEFAULTS.get(k))]
+        differs = [k for k in POOL_SAME if _setting(part, k) != _setting(first, k)]
         if differs or [row["name"] for row in part["modes"]] != names:
             raise SystemExit(f"kvblend bench engine --pool: {path} differs from {parts[0][0]} in "
                              f"{', '.join(differs) or 'its modes'}; only runs with the same settings pool")
@@ -219,7 +225,7 @@ def pool_results(paths: list[str]) -> dict:
         for mr, row in zip(runs, part["modes"]):
             mr.extend(row)
     prompt_lens = [n for _, part in parts for n in part.get("prompt_tokens", [])]
-    pooled = {k: first.get(k, POOL_DEFAULTS.get(k)) for k in ("bench", "model", "model_dir", *POOL_SAME, "threads")}
+    pooled = {k: _setting(first, k) for k in ("bench", "model", "model_dir", *POOL_SAME, "threads")}
     pooled.update({
         "examples": sum(part["examples"] for _, part in parts), "offset": first.get("offset", 0),
         "pooled_from": [path for path, _ in parts],
@@ -252,7 +258,7 @@ def quality_curve(rows: list[dict]) -> list[dict]:
                        "first_token_agreement": r["first_token_agreement"],
                        "first_token_kl_vs_full": r.get("first_token_kl_vs_full"), "rouge_l_vs_full": r["rouge_l_vs_full"],
                        "f1": r["f1"], "f1_share_of_full": None if f1_share is None else round(f1_share, 4)})
-    return sorted(points, key=lambda p: (p["ratio"], p["name"] in ("full", "reuse")))
+    return sorted(points, key=lambda p: (p["ratio"], p["mode"] != "blend"))
 
 
 def smallest_ratio(curve: list[dict], metric: str, threshold: float) -> float | None:
@@ -286,8 +292,8 @@ def render_table(result: dict) -> str:
                      f"{f'{paired:.2f}x' if paired else '-'} | {r['f1']:.3f} | "
                      f"{r['first_token_agreement']:.0%} | {_num(r.get('first_token_kl_vs_full'))} | "
                      f"{r['rouge_l_vs_full']:.3f} |")
-    smallest = result.get("smallest_ratio_agreement_90")
-    if "quality_vs_ratio" in result:
+    if "smallest_ratio_agreement_90" in result:
+        smallest = result["smallest_ratio_agreement_90"]
         lines += ["", "smallest recompute ratio reaching 90% first-token agreement: "
                   + ("none of the blend ratios run" if smallest is None else f"{smallest:g}")]
     return "\n".join(lines)
