@@ -14,6 +14,8 @@ from pathlib import Path
 
 PREFILL_MODES = ("full", "prefix", "reuse", "blend")
 DEVIATION_KINDS = ("v", "k", "kv")
+# How a check layer picks the chunk tokens to keep recomputing (kvblend/blend/selection.py).
+SELECTION_KINDS = ("deviation", "query", "lookahead")
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 # CPU features that make bf16 matmuls native (AMX tiles, or AVX-512 bf16 dot products). Without them
 # oneDNN emulates bf16 and it runs several times slower than fp32 (measured 7.6x on an AVX2-only EPYC).
@@ -91,6 +93,11 @@ class BlendConfig:
     check_layers: tuple[int, ...] = (1,)
     check_ratios: tuple[float, ...] = ()  # empty: every check layer uses recompute_ratio
     deviation: str = "v"
+    # "deviation": the tokens whose fresh KV deviates most from the cached (CacheBlend). "query": the
+    # tokens the query rows attend to most at the check layer (query-aware, as in A3, arXiv 2511.17560).
+    # "lookahead": the tokens the query attends to most over all layers of a reuse pass run first; they
+    # are recomputed from layer 0 (no check layer).
+    selection: str = "deviation"
     # Keep a blend/reuse request's final KV per segment under chained keys, and use such entries: a
     # later request starting with the same segments (same documents, new question) reuses them as is.
     store_blended_prefix: bool = True
@@ -111,6 +118,13 @@ class BlendConfig:
                 validate_ratio(r)
         if self.deviation not in DEVIATION_KINDS:
             raise ValueError(f"deviation must be one of {DEVIATION_KINDS}, got {self.deviation!r}")
+        validate_selection(self.selection)
+
+
+def validate_selection(selection: str) -> str:
+    if selection not in SELECTION_KINDS:
+        raise ValueError(f"unknown token selection {selection!r}; expected one of {', '.join(SELECTION_KINDS)}")
+    return selection
 
 
 def validate_mode(mode: str) -> str:

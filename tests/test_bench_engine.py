@@ -27,29 +27,35 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 
 def test_bench_engine_modes_ratios_and_json(tmp_path):
     out, data = tmp_path / "engine.json", _short_musique(tmp_path)
-    proc = _bench("--examples", "2", "--data", str(data), "--modes", "full,reuse,blend",
-                  "--ratios", "0,1", "--max-tokens", "6", "--dtype", "float32", "--out", str(out))
+    proc = _bench("--examples", "2", "--data", str(data), "--modes", "full,reuse,blend", "--ratios", "0,1",
+                  "--selection", "deviation,query", "--max-tokens", "6", "--dtype", "float32", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["modes"]}
-    assert list(rows) == ["full", "reuse", "blend@0", "blend@1"]  # prefix was not asked for
+    # prefix was not asked for; each ratio runs with both token selections
+    assert list(rows) == ["full", "reuse", "blend@0", "blend@0/query", "blend@1", "blend@1/query"]
+    assert [rows[n]["selection"] for n in ("reuse", "blend@0", "blend@0/query")] == [None, "deviation", "query"]
     assert result["examples"] == 2 and result["dtype"] == "float32"
     assert all(r["n"] == 2 and r["ttft_median_ms"] > 0 for r in rows.values())
     per_example = rows["blend@0"]["per_example"]
     assert all(len(per_example[k]) == 2 for k in ("ttft_ms", "f1", "first_token_agree", "answers"))
     assert sorted(per_example["ttft_ms"])[0] <= rows["blend@0"]["ttft_median_ms"] <= sorted(per_example["ttft_ms"])[1]
     # blend@1 recomputes every chunk token: the same first token and greedy text as full prefill
-    assert rows["blend@1"]["first_token_agreement"] == 1.0 and rows["blend@1"]["rouge_l_vs_full"] == 1.0
+    for name in ("blend@1", "blend@1/query"):
+        assert rows[name]["first_token_agreement"] == 1.0 and rows[name]["rouge_l_vs_full"] == 1.0
+        assert rows[name]["first_token_kl_vs_full"] <= 1e-4  # fp32: the same logits as full prefill
     assert rows["full"]["speedup_vs_full"] == 1.0 and rows["full"]["first_token_kl_vs_full"] == 0.0
-    assert rows["blend@1"]["first_token_kl_vs_full"] <= 1e-4  # fp32: the same logits as full prefill
     assert rows["reuse"]["first_token_kl_vs_full"] > rows["blend@1"]["first_token_kl_vs_full"]
     assert "| blend@0 |" in proc.stdout and f"wrote {out}" in proc.stdout
     # the quality-vs-ratio curve: reuse at 0, blend ratios, full at 1; blend@1 reaches 90% agreement
     curve = result["quality_vs_ratio"]
-    assert [(p["name"], p["ratio"]) for p in curve] == [("blend@0", 0.0), ("reuse", 0.0), ("blend@1", 1.0), ("full", 1.0)]
+    assert [(p["name"], p["ratio"]) for p in curve] == [("blend@0", 0.0), ("blend@0/query", 0.0), ("reuse", 0.0),
+                                                         ("blend@1", 1.0), ("blend@1/query", 1.0), ("full", 1.0)]
     assert curve[-1]["f1_share_of_full"] in (None, 1.0) and curve[-1]["first_token_agreement"] == 1.0
     expected_smallest = 0.0 if rows["blend@0"]["first_token_agreement"] >= 0.9 else 1.0
     assert result["smallest_ratio_agreement_90"] == expected_smallest
+    expected_query = 0.0 if rows["blend@0/query"]["first_token_agreement"] >= 0.9 else 1.0
+    assert result["smallest_ratio_agreement_90_by_selection"] == {"deviation": expected_smallest, "query": expected_query}
     assert "smallest recompute ratio reaching 90% first-token agreement" in proc.stdout
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in proc.stdout
@@ -60,8 +66,8 @@ def test_bench_engine_modes_ratios_and_json(tmp_path):
     for offset in (0, 1):
         half = tmp_path / f"engine-{offset}.json"
         proc = _bench("--examples", "1", "--offset", str(offset), "--data", str(data),
-                      "--modes", "full,reuse,blend", "--ratios", "0,1", "--max-tokens", "6", "--dtype", "float32",
-                      "--no-plot", "--out", str(half))
+                      "--modes", "full,reuse,blend", "--ratios", "0,1", "--selection", "deviation,query",
+                      "--max-tokens", "6", "--dtype", "float32", "--no-plot", "--out", str(half))
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert not half.with_suffix(".png").exists()
         halves.append(half)
@@ -87,6 +93,10 @@ def test_bench_engine_rejects_an_unknown_mode(tmp_path):
     proc = _bench("--examples", "1", "--modes", "full,fast", "--out", str(tmp_path / "x.json"))
     assert proc.returncode != 0
     assert "unknown mode(s) fast" in proc.stderr
+    assert not (tmp_path / "x.json").exists()
+    proc = _bench("--examples", "1", "--selection", "deviation,best", "--out", str(tmp_path / "x.json"))
+    assert proc.returncode != 0
+    assert "unknown --selection best (choose from deviation, query, lookahead)" in proc.stderr
     assert not (tmp_path / "x.json").exists()
 
 

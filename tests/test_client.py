@@ -114,6 +114,10 @@ def test_mode_specs():
     assert parse_mode_spec("blend@0.15") == ModeSpec("blend", 0.15)
     assert parse_mode_spec("blend@0.15").extra_body() == {"mode": "blend", "recompute_ratio": 0.15}
     assert parse_mode_spec("default").extra_body() == {}
+    spec = parse_mode_spec("blend@0.15/lookahead")
+    assert spec.label == "blend@0.15/lookahead" and spec.extra_body() == {
+        "mode": "blend", "recompute_ratio": 0.15, "selection": "lookahead"}
+    assert parse_mode_spec("blend/query").extra_body() == {"mode": "blend", "selection": "query"}
     assert [m.label for m in parse_mode_list("full, reuse,blend@0.5")] == ["full", "reuse", "blend@0.5"]
     assert kvblend_override(None) == {}
     with pytest.raises(ValueError, match="unknown prefill mode"):
@@ -122,6 +126,10 @@ def test_mode_specs():
         parse_mode_spec("full@0.5")
     with pytest.raises(ValueError, match="within"):
         parse_mode_spec("blend@2")
+    with pytest.raises(ValueError, match="unknown token selection 'best'"):
+        parse_mode_spec("blend@0.15/best")
+    with pytest.raises(ValueError, match="only blend takes a ratio or a token selection"):
+        parse_mode_spec("reuse/query")
 
 
 def test_stream_chat_reads_content_usage_and_passes_extra_body(server):

@@ -15,7 +15,8 @@ import torch
 from engine_fixtures import INSTRUCTION, embedded_engine, musique_docs, tiny_engine, tiny_model_dir
 from kvblend.blend.blender import KVCache, PrefillPlan, row_blocks, run_prefill
 from kvblend.blend.rope import apply_rope, unapply_rope
-from kvblend.config import BlendConfig, EngineConfig, ModelConfig
+from kvblend.blend.selection import num_to_keep
+from kvblend.config import SELECTION_KINDS, BlendConfig, EngineConfig, ModelConfig
 from kvblend.engine.engine import ContextLengthError, create_engine
 from kvblend.engine.request import GenerationRequest, SamplingParams
 from kvblend.engine.kv_loader import LayerwiseLoader
@@ -43,8 +44,9 @@ def no_blended_prefix(engine):
         engine.config.blend.store_blended_prefix = True
 
 
-def _first(engine, segs, mode, ratio=0.15, max_tokens=1):
-    return engine.run(GenerationRequest(segs, SamplingParams(max_tokens=max_tokens), mode=mode, recompute_ratio=ratio))
+def _first(engine, segs, mode, ratio=0.15, max_tokens=1, selection=None):
+    return engine.run(GenerationRequest(segs, SamplingParams(max_tokens=max_tokens), mode=mode, recompute_ratio=ratio,
+                                        selection=selection))
 
 
 @pytest.mark.parametrize("dtype,atol,attention", [("float32", FP32_ATOL, "auto"), ("float32", FP32_ATOL, "torch"),
@@ -57,11 +59,12 @@ def test_blend_ratio_one_equals_full(dtype, atol, attention):
     engine.precompute(segs.chunk_ids)
     with no_blended_prefix(engine):
         _first(engine, segs, "blend", 1.0)  # stores the prefix, so the next run reads it from the store
-        blend = _first(engine, segs, "blend", 1.0)
-    assert blend.stats.chunks_hit == 4 and blend.stats.recomputed_tokens == sum(map(len, segs.chunk_ids))
-    diff = (blend.first_token_logits - full.first_token_logits).abs().max().item()
-    assert diff <= atol, f"blend@1.0 differs from full by {diff}"
-    assert blend.first_token_logits.argmax() == full.first_token_logits.argmax()
+        for selection in SELECTION_KINDS:
+            blend = _first(engine, segs, "blend", 1.0, selection=selection)
+            assert blend.stats.chunks_hit == 4 and blend.stats.recomputed_tokens == sum(map(len, segs.chunk_ids))
+            diff = (blend.first_token_logits - full.first_token_logits).abs().max().item()
+            assert diff <= atol, f"blend@1.0 ({selection} selection) differs from full by {diff}"
+            assert blend.first_token_logits.argmax() == full.first_token_logits.argmax()
 
 
 def test_prefix_hit_equals_full_fp32():
@@ -145,7 +148,7 @@ def test_rows_computed_everywhere_still_wait_for_a_lagging_loader(tmp_path):
     k_pre = torch.empty_like(ref.fresh_k)
     with LayerwiseLoader([(_SlowReader(TensorReader(junk), 0.05), 0)], k_pre, cache.v[:, :, :T]) as loader:
         plan = PrefillPlan(ids, k_pre, cache.v[:, :, :T], torch.ones(T, dtype=torch.bool), torch.arange(T),
-                           (1,), (T,), "v", loader.wait_layer)
+                           check_layers=(1,), check_keep=(T,), deviation="v", wait_layer=loader.wait_layer)
         out = run_prefill(ops, plan, cache)
     assert (out.last_logits - ref.last_logits).abs().max().item() <= FP32_ATOL
     assert torch.equal(cache.v[:, :, :T], ref.fresh_v)
@@ -194,16 +197,19 @@ def test_other_architectures_blend_one_equals_full(tmp_path, model_type):
     assert blend.token_ids == full.token_ids
 
 
-@pytest.mark.parametrize("deviation", ["v", "kv"])
-def test_blend_paths_with_any_deviation_and_recycled_buffers_equal_unpooled(tmp_path, deviation):
-    """The check layer projects only V for every row with the value deviation (Q/K for the kept rows) and
-    all three otherwise; layer 0 takes stored rows' K/V as stored. Either way, and whether caches come
-    from the pool or not, blend and full give what a pool-less engine gives, and blend@1 equals full.
-    A live sequence's cache is never handed to another request; a dropped one's is."""
+@pytest.mark.parametrize("deviation,selection", [("v", "deviation"), ("kv", "deviation"), ("v", "query"),
+                                                 ("v", "lookahead")])
+def test_blend_paths_with_any_deviation_and_recycled_buffers_equal_unpooled(tmp_path, deviation, selection):
+    """The check layer projects only V for every row with the value deviation (Q/K for the kept rows),
+    K/V for every row and Q for the query rows with the query selection, all three otherwise (lookahead
+    has no check layer, and a reuse pass first); layer 0 takes stored rows' K/V as stored. Either way, and whether caches come from the pool or not, blend
+    and full give what a pool-less engine gives, and blend@1 equals full. A live sequence's cache is
+    never handed to another request; a dropped one's is."""
     model = tiny_model_dir(tmp_path, "qwen3")  # q_norm / k_norm on the partial projections too
-    pooled = tiny_engine(model, deviation=deviation)
+    pooled = tiny_engine(model, deviation=deviation, selection=selection)
     unpooled = create_engine(EngineConfig(model=ModelConfig(model=str(model), dtype="float32"),
-                                          blend=BlendConfig(deviation=deviation), buffer_pool_bytes=0))
+                                          blend=BlendConfig(deviation=deviation, selection=selection),
+                                          buffer_pool_bytes=0))
     segs = unpooled.segments(["one two three " * 20, "four five six " * 25, "seven " * 30], "Question: sum?")
     for engine in (pooled, unpooled):
         engine.precompute(segs.chunk_ids)
@@ -246,6 +252,9 @@ def test_blended_prefix_is_reused_by_the_next_question():
         scratch = _first(engine, second, "blend", 0.15)
     assert scratch.stats.recomputed_tokens > 0
     assert (reused.first_token_logits - scratch.first_token_logits).abs().max().item() <= FP32_ATOL
+    # another selection blends other rows: it never takes the deviation selection's blended KV
+    other = _first(engine, second, "blend", 0.15, selection="query")
+    assert other.stats.chunks_hit == 4 and other.stats.recomputed_tokens == scratch.stats.recomputed_tokens
 
 
 def test_missing_chunks_are_prefilled_in_context_then_stored():
@@ -307,6 +316,108 @@ def test_blend_quality_sits_between_reuse_and_full():
     assert stats.prompt_tokens == stats.reused_tokens + stats.recomputed_tokens + stats.fresh_tokens
 
 
+def test_query_selection_keeps_the_chunk_rows_the_query_attends_to_most(monkeypatch):
+    """Layer 0 is context-free and every chunk row is computed there, so at check layer 1 every row's
+    input, and the query rows' attention, are what full prefill gives. The rows the query selection
+    keeps must be the chunk rows that attention (summed over heads and query rows, recomputed here from
+    transformers' own layer-1 modules) favours most."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    import kvblend.engine.engine as engine_module
+
+    engine = embedded_engine("float32")
+    engine.store = MemoryStore()
+    segs = _segments(engine, order=(2, 3, 0, 1))
+    engine.precompute(segs.chunk_ids)
+    outputs, real_prefill = [], engine_module.run_prefill
+
+    def recording_prefill(*args):  # the real layer loop; keeps its output for the rows it recomputed
+        outputs.append(real_prefill(*args))
+        return outputs[-1]
+
+    monkeypatch.setattr(engine_module, "run_prefill", recording_prefill)
+    with no_blended_prefix(engine):
+        _first(engine, segs, "blend", 0.15, selection="query")
+    kept = outputs[-1].recomputed_rows  # [K] rows, sorted
+
+    hf = engine.loaded.hf_model
+    T, num_query = segs.num_tokens, len(segs.query_ids)
+    ids = torch.tensor([segs.token_ids])
+    with torch.inference_mode():
+        h1 = hf(ids, output_hidden_states=True).hidden_states[1]  # [1, T, D]: layer 1's input
+        attn = hf.model.layers[1].self_attn
+        x = hf.model.layers[1].input_layernorm(h1)
+        cfg = hf.config
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        q = attn.q_proj(x).view(1, T, cfg.num_attention_heads, head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(1, T, cfg.num_key_value_heads, head_dim).transpose(1, 2)
+        cos, sin = hf.model.rotary_emb(x, torch.arange(T)[None])
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k = k.repeat_interleave(cfg.num_attention_heads // cfg.num_key_value_heads, dim=1)
+        scores = (q[0, :, T - num_query:] @ k[0].transpose(-1, -2)) * head_dim ** -0.5  # [Hq, Q, T]
+        causal = torch.arange(T)[None, :] <= torch.arange(T - num_query, T)[:, None]
+        received = scores.masked_fill(~causal, float("-inf")).softmax(-1).sum(dim=(0, 1))  # [T]
+    chunk_rows = torch.arange(len(segs.prefix_ids), T - num_query)
+    assert kept.numel() == num_to_keep(0.15, chunk_rows.numel())
+    dropped = chunk_rows[~torch.isin(chunk_rows, kept)]
+    # the kept rows are the top of the reference ranking (ties at the boundary within float error)
+    assert received[kept].min() >= received[dropped].max() - 1e-5
+
+
+def test_recorded_query_attention_equals_transformers_attention_weights():
+    """The lookahead selection's ranking: attention each key receives, summed over layers, heads and
+    computed rows (at the last layer only the last row is computed), against transformers' eager
+    attention weights of the same prompt."""
+    engine = embedded_engine("float32")
+    segs = _segments(engine, order=(1, 0))
+    T = segs.num_tokens
+    ids = torch.tensor(segs.token_ids)
+    plan = PrefillPlan(ids, None, None, torch.zeros(T, dtype=torch.bool), torch.arange(T), record_query_attention=True)
+    received = run_prefill(engine.ops, plan, KVCache.allocate(engine.ops, T)).query_attention  # [T]
+    hf = engine.loaded.hf_model
+    implementation = hf.config._attn_implementation
+    hf.set_attn_implementation("eager")  # the only one that returns attention weights
+    try:
+        with torch.inference_mode():
+            weights = torch.stack([a[0] for a in hf(ids[None], output_attentions=True).attentions])  # [L, H, T, T]
+    finally:
+        hf.set_attn_implementation(implementation)
+    reference = weights[:-1].sum(dim=(0, 1, 2)) + weights[-1, :, -1].sum(dim=0)
+    assert (received - reference).abs().max().item() <= 1e-5 * reference.max().item()
+
+
+def test_lookahead_recomputes_the_rows_a_reuse_pass_finds_most_attended(monkeypatch):
+    """lookahead = a reuse pass recording the query's attention, then a blend recomputing from layer 0
+    the chunk rows that attention ranks highest (and the query); accounting counts them as recomputed."""
+    import kvblend.engine.engine as engine_module
+
+    engine = embedded_engine("float32")
+    engine.store = MemoryStore()
+    segs = _segments(engine, order=(3, 1, 2, 0))
+    engine.precompute(segs.chunk_ids)
+    plans, outputs, real_prefill = [], [], engine_module.run_prefill
+
+    def recording_prefill(ops, plan, cache):  # the real layer loop; keeps what it was given and gave
+        plans.append(plan)
+        outputs.append(real_prefill(ops, plan, cache))
+        return outputs[-1]
+
+    monkeypatch.setattr(engine_module, "run_prefill", recording_prefill)
+    _first(engine, segs, "reuse")  # stores the prefix: the reuse pass computes exactly the query
+    plans.clear(), outputs.clear()
+    with no_blended_prefix(engine):
+        result = _first(engine, segs, "blend", 0.15, selection="lookahead")
+    (reuse_pass, blend_pass), num_query = plans, len(segs.query_ids)
+    assert reuse_pass.active_rows.tolist() == list(range(segs.num_tokens - num_query, segs.num_tokens))
+    assert blend_pass.check_layers == () and outputs[1].query_attention is None
+    received, kept = outputs[0].query_attention, outputs[1].recomputed_rows
+    chunk_rows = torch.arange(len(segs.prefix_ids), segs.num_tokens - num_query)
+    assert kept.numel() == num_to_keep(0.15, chunk_rows.numel()) == result.stats.recomputed_tokens
+    assert blend_pass.active_rows.tolist() == sorted(kept.tolist() + reuse_pass.active_rows.tolist())
+    dropped = chunk_rows[~torch.isin(chunk_rows, kept)]
+    assert received[kept].min() >= received[dropped].max()
+
+
 def test_stop_strings_and_sampling_seed():
     engine = embedded_engine("float32")
     segs = engine.segments([], "Write one sentence about the sea.")
@@ -332,6 +443,8 @@ def test_bad_input_is_rejected_and_leaves_store_clean():
         _first(engine, segs, "turbo")
     with pytest.raises(ValueError, match=r"within \[0, 1\]"):
         _first(engine, segs, "blend", 1.5)
+    with pytest.raises(ValueError, match="unknown token selection 'best'; expected one of deviation, query, lookahead"):
+        _first(engine, segs, "blend", 0.15, selection="best")
     with pytest.raises(ContextLengthError, match="maximum context length is 8192"):
         engine.run(GenerationRequest(segs, SamplingParams(max_tokens=8192), mode="blend"))
     huge = [1000 + (i % 500) for i in range(9000)]

@@ -22,9 +22,10 @@ MODES = ("full", "prefix", "reuse", "blend")
 
 @dataclass
 class ModeRun:
-    name: str  # "full", "prefix", "reuse", "blend@0.15"
+    name: str  # "full", "prefix", "reuse", "blend@0.15", "blend@0.15/query"
     mode: str
     ratio: float
+    selection: str | None = None  # blend's token selection (None for the other modes)
     ttft_ms: list[float] = field(default_factory=list)
     f1: list[float] = field(default_factory=list)
     first_token_agree: list[float] = field(default_factory=list)
@@ -39,7 +40,8 @@ class ModeRun:
         # shared machine's speed drifting over the run, which moves both medians.
         paired = [f / t for f, t in zip(full.ttft_ms, self.ttft_ms) if t > 0]
         return {
-            "name": self.name, "mode": self.mode, "ratio": self.ratio, "n": len(self.ttft_ms),
+            "name": self.name, "mode": self.mode, "ratio": self.ratio, "selection": self.selection,
+            "n": len(self.ttft_ms),
             "ttft_median_ms": round(med, 2),
             "speedup_vs_full": round(full_med / med, 3) if full_med and med else None,
             "speedup_paired_median": round(statistics.median(paired), 3) if paired else None,
@@ -90,7 +92,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated blend recompute ratios (default 0.05,0.15,0.3)")
     p.add_argument("--check-layers", default="1", help="comma-separated check layers (gradual filtering if >1)")
     p.add_argument("--check-ratios", default="", help="ratios for the check layers (last = each --ratios value)")
-    p.add_argument("--deviation", default="v", choices=["v", "k", "kv"])
+    p.add_argument("--deviation", default="v", choices=["v", "k", "kv"],
+                   help="what the deviation selection compares: values (default), keys or both")
+    p.add_argument("--selection", default="deviation",
+                   help="comma-separated token selections to run at every ratio, in one run against the same full "
+                        "prefill: deviation (default; CacheBlend: largest KV deviation at the check layer), query "
+                        "(most attention from the query rows there), lookahead (most attention from the query "
+                        "over all layers of a reuse pass run first); rows blend@R, blend@R/query, "
+                        "blend@R/lookahead")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per answer (default 32)")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/engine-<model>-<dtype>.json)")
@@ -117,6 +126,7 @@ def run(args) -> int:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise SystemExit(f"kvblend bench engine: unknown mode(s) {', '.join(unknown)} (choose from {', '.join(MODES)})")
+    selections = _selections(args.selection)
     if args.offset < 0 or args.examples < 1:
         raise SystemExit("kvblend bench engine: --examples must be >= 1 and --offset >= 0")
     blend_cfg = BlendConfig(check_layers=tuple(int(x) for x in args.check_layers.split(",")),
@@ -132,7 +142,8 @@ def run(args) -> int:
     engine = create_engine(cfg)  # after the data checks: a bad flag costs no model load
     runs = [ModeRun("full", "full", 1.0)]
     runs += [ModeRun(m, m, 1.0 if m == "prefix" else 0.0) for m in ("prefix", "reuse") if m in modes]
-    runs += [ModeRun(f"blend@{r:g}", "blend", r) for r in (ratios if "blend" in modes else [])]
+    runs += [ModeRun(_blend_name(r, sel), "blend", r, sel) for r in (ratios if "blend" in modes else [])
+             for sel in selections]
     rng = random.Random(args.seed)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     progress = _progress(num_run)
@@ -152,7 +163,8 @@ def run(args) -> int:
             engine.run(GenerationRequest(cached_order, SamplingParams(max_tokens=1), mode="prefix"))
         full_result = None
         for mr in runs:
-            res = engine.run(GenerationRequest(segs, sampling, mode=mr.mode, recompute_ratio=mr.ratio))
+            res = engine.run(GenerationRequest(segs, sampling, mode=mr.mode, recompute_ratio=mr.ratio,
+                                               selection=mr.selection))
             if mr.mode == "full":
                 full_result = res
             answer = clean_answer(res.text)
@@ -168,7 +180,8 @@ def run(args) -> int:
         "bench": "engine", "model": engine.model_id, "model_dir": str(engine.loaded.model_dir),
         "dtype": cfg.model.dtype, "attention_kernel": engine.attention_kernel,
         "examples": num_run, "offset": args.offset, "check_layers": list(blend_cfg.check_layers),
-        "check_ratios": list(blend_cfg.check_ratios), "deviation": args.deviation, "max_tokens": args.max_tokens,
+        "check_ratios": list(blend_cfg.check_ratios), "deviation": args.deviation, "selections": selections,
+        "max_tokens": args.max_tokens,
         "seed": args.seed, "data": args.data, "threads": _threads(),
         "prompt_tokens_median": statistics.median(prompt_lens), "prompt_tokens": prompt_lens,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "modes": [mr.summary(runs[0]) for mr in runs],
@@ -179,7 +192,10 @@ def run(args) -> int:
 def _publish(result: dict, args, default_out: str) -> int:
     """Add the quality-vs-ratio curve; write the JSON, the Markdown table and (unless --no-plot) the PNG."""
     result["quality_vs_ratio"] = quality_curve(result["modes"])
-    result["smallest_ratio_agreement_90"] = smallest_ratio(result["quality_vs_ratio"], "first_token_agreement", 0.9)
+    by_selection = {sel: smallest_ratio(result["quality_vs_ratio"], "first_token_agreement", 0.9, sel)
+                    for sel in _setting(result, "selections")}
+    result["smallest_ratio_agreement_90"] = next(iter(by_selection.values()))  # the first selection run
+    result["smallest_ratio_agreement_90_by_selection"] = by_selection
     out = Path(args.out or default_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -193,9 +209,10 @@ def _publish(result: dict, args, default_out: str) -> int:
     return 0
 
 
-POOL_SAME = ("model", "dtype", "attention_kernel", "check_layers", "check_ratios", "deviation", "max_tokens", "seed",
-             "data")
-POOL_DEFAULTS = {"seed": 0, "data": None}  # what files written before these keys were recorded used
+POOL_SAME = ("model", "dtype", "attention_kernel", "check_layers", "check_ratios", "deviation", "selections",
+             "max_tokens", "seed", "data")
+# what files written before these keys were recorded used
+POOL_DEFAULTS = {"seed": 0, "data": None, "selections": ["deviation"]}
 
 
 def _setting(result: dict, key: str):
@@ -220,7 +237,7 @@ def pool_results(paths: list[str]) -> dict:
             raise SystemExit(f"kvblend bench engine --pool: {path} (examples {start}-{start + part['examples'] - 1}) "
                              f"overlaps an earlier file's range")
         end = start + part["examples"]
-    runs = [ModeRun(row["name"], row["mode"], row["ratio"]) for row in first["modes"]]
+    runs = [ModeRun(row["name"], row["mode"], row["ratio"], _row_selection(row)) for row in first["modes"]]
     for _, part in parts:
         for mr, row in zip(runs, part["modes"]):
             mr.extend(row)
@@ -254,16 +271,19 @@ def quality_curve(rows: list[dict]) -> list[dict]:
         if r["mode"] not in ("full", "reuse", "blend"):
             continue
         f1_share = r["f1"] / full["f1"] if full["f1"] else None
-        points.append({"name": r["name"], "mode": r["mode"], "ratio": r["ratio"], "speedup_vs_full": r["speedup_vs_full"],
+        points.append({"name": r["name"], "mode": r["mode"], "ratio": r["ratio"],
+                       "selection": _row_selection(r), "speedup_vs_full": r["speedup_vs_full"],
                        "first_token_agreement": r["first_token_agreement"],
                        "first_token_kl_vs_full": r.get("first_token_kl_vs_full"), "rouge_l_vs_full": r["rouge_l_vs_full"],
                        "f1": r["f1"], "f1_share_of_full": None if f1_share is None else round(f1_share, 4)})
     return sorted(points, key=lambda p: (p["ratio"], p["mode"] != "blend"))
 
 
-def smallest_ratio(curve: list[dict], metric: str, threshold: float) -> float | None:
-    """The smallest blend recompute ratio whose ``metric`` reaches ``threshold`` (None if none run does)."""
-    hits = [p["ratio"] for p in curve if p["mode"] == "blend" and p[metric] is not None and p[metric] >= threshold]
+def smallest_ratio(curve: list[dict], metric: str, threshold: float, selection: str = "deviation") -> float | None:
+    """The smallest blend recompute ratio of ``selection`` whose ``metric`` reaches ``threshold`` (None if
+    none run does)."""
+    hits = [p["ratio"] for p in curve if p["mode"] == "blend" and _row_selection(p) == selection
+            and p[metric] is not None and p[metric] >= threshold]
     return min(hits) if hits else None
 
 
@@ -292,11 +312,38 @@ def render_table(result: dict) -> str:
                      f"{f'{paired:.2f}x' if paired else '-'} | {r['f1']:.3f} | "
                      f"{r['first_token_agreement']:.0%} | {_num(r.get('first_token_kl_vs_full'))} | "
                      f"{r['rouge_l_vs_full']:.3f} |")
-    if "smallest_ratio_agreement_90" in result:
-        smallest = result["smallest_ratio_agreement_90"]
+    by_selection = result.get("smallest_ratio_agreement_90_by_selection") or {}
+    if len(by_selection) == 1:
+        (smallest,) = by_selection.values()
+        lines += ["", f"smallest recompute ratio reaching 90% first-token agreement: {_ratio_text(smallest)}"]
+    elif by_selection:
         lines += ["", "smallest recompute ratio reaching 90% first-token agreement: "
-                  + ("none of the blend ratios run" if smallest is None else f"{smallest:g}")]
+                  + "; ".join(f"{sel} selection {_ratio_text(r)}" for sel, r in by_selection.items())]
     return "\n".join(lines)
+
+
+def _ratio_text(ratio: float | None) -> str:
+    return "none of the blend ratios run" if ratio is None else f"{ratio:g}"
+
+
+def _selections(text: str) -> list[str]:
+    from kvblend.config import SELECTION_KINDS
+
+    selections = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    unknown = [s for s in selections if s not in SELECTION_KINDS]
+    if unknown or not selections:
+        raise SystemExit(f"kvblend bench engine: unknown --selection {', '.join(unknown) or repr(text)} "
+                         f"(choose from {', '.join(SELECTION_KINDS)})")
+    return selections
+
+
+def _row_selection(row: dict) -> str | None:
+    """A summary row's token selection; blend rows written before selections were recorded used deviation."""
+    return row.get("selection") or ("deviation" if row["mode"] == "blend" else None)
+
+
+def _blend_name(ratio: float, selection: str) -> str:
+    return f"blend@{ratio:g}" + ("" if selection == "deviation" else f"/{selection}")
 
 
 def _num(x, fmt: str = ".4f") -> str:

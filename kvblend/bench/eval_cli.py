@@ -16,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(max_tokens=32)
     parser.add_argument("--limit", type=positive_int, default=20, help="examples to evaluate (first N)")
     parser.add_argument("--modes", default=DEFAULT_MODES,
-                        help="comma list: full, prefix, reuse, blend, blend@R, or default (no override)")
+                        help="comma list: full, prefix, reuse, blend, blend@R, blend@R/SELECTION (deviation, query, "
+                             "lookahead), or default (no override)")
     parser.add_argument("--docs", type=positive_int, default=None, help="passages per example (default: all)")
     parser.add_argument("--no-shuffle", action="store_true",
                         help="time the passages in the warm-up's order (default: shuffled, as re-ranked retrieval)")

@@ -228,7 +228,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     parser.add_argument("--rates", type=_rates, default=[0.25, 0.5, 1.0, 2.0], help="offered req/s, comma list")
     parser.add_argument("--modes", default="full,blend@0.15",
-                        help="comma list of full, prefix, reuse, blend, blend@R, default (no override)")
+                        help="comma list of full, prefix, reuse, blend, blend@R, blend@R/SELECTION (deviation, query, "
+                             "lookahead), default (no override)")
     parser.add_argument("--requests", type=positive_int, default=20, help="arrivals per rate at most")
     parser.add_argument("--duration", type=float, default=60.0, help="arrival window per rate at most (s)")
     parser.add_argument("--drain", type=float, default=120.0, help="wait for in-flight requests after arrivals (s)")

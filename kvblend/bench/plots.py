@@ -91,15 +91,22 @@ def plot_load(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _blend_label(selection: str) -> str:
+    return "blend" if selection == "deviation" else f"blend/{selection}"
+
+
 def plot_engine(result: dict, path: Path) -> None:
     """`bench engine` against the recompute ratio (reuse at 0, full at 1): left, speedup over full
     prefill; right, first-token agreement and F1 as a share of full's."""
     plt = _pyplot()
     curve = result["quality_vs_ratio"]
-    blend = [p for p in curve if p["mode"] == "blend"]
+    selections = list(dict.fromkeys((p.get("selection") or "deviation") for p in curve if p["mode"] == "blend"))
+    lines = {sel: [p for p in curve if p["mode"] == "blend" and (p.get("selection") or "deviation") == sel]
+             for sel in selections}  # one blend line per token selection
     ends = [p for p in curve if p["mode"] != "blend"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot([p["ratio"] for p in blend], [p["speedup_vs_full"] for p in blend], "o-", label="blend")
+    for sel, blend in lines.items():
+        left.plot([p["ratio"] for p in blend], [p["speedup_vs_full"] for p in blend], "o-", label=_blend_label(sel))
     for p in ends:
         left.plot([p["ratio"]], [p["speedup_vs_full"]], "s", label=p["name"])
     left.set_yscale("log")
@@ -109,8 +116,10 @@ def plot_engine(result: dict, path: Path) -> None:
     for metric, label, color in (("first_token_agreement", "first-token agreement", "tab:blue"),
                                  ("f1_share_of_full", "F1 / full's F1", "tab:green")):
         pts = [p for p in curve if p[metric] is not None]
-        right.plot([p["ratio"] for p in pts if p["mode"] == "blend"], [p[metric] for p in pts if p["mode"] == "blend"],
-                   "o-", color=color, label=f"blend: {label}")
+        for sel, style in zip(lines, ("o-", "^--", "v:")):
+            blend = [p for p in lines[sel] if p[metric] is not None]
+            right.plot([p["ratio"] for p in blend], [p[metric] for p in blend], style, color=color,
+                       label=f"{_blend_label(sel)}: {label}")
         for mode, marker in (("reuse", "x"), ("full", "s")):
             right.plot([p["ratio"] for p in pts if p["mode"] == mode], [p[metric] for p in pts if p["mode"] == mode],
                        marker, color=color, markersize=8, label=f"{mode}: {label}")

@@ -7,7 +7,8 @@ shrink the computed set to the rows whose KV deviates most. The modes are just p
     prefix  stored rows = the longest cached run of whole segments from the start (exact KV), rest computed
     reuse   stored rows = prefix + chunks, only uncached rows (the query) computed
     blend   stored rows = prefix + chunks; chunks + query computed until the check layer(s), then only
-            the top-deviation chunk rows + query
+            the selected chunk rows (top KV deviation, or top query attention) + query; with the lookahead
+            selection the engine ranks the rows by a reuse pass first and runs a plan with no check layer
 
 Rows that are not computed at a layer use their stored pre-RoPE K (rotated to their new absolute
 position) and V at that layer. Rows computed at a layer overwrite the stored rows with fresh K/V.
@@ -17,13 +18,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
 from kvblend.blend.buffers import BufferPool, typed_view
 from kvblend.blend.rope import apply_rope, halves_repeat
-from kvblend.blend.selection import causal_mask, select_top_tokens, token_deviation
+from kvblend.blend.selection import causal_mask, query_attention, select_top_tokens, token_deviation
 from kvblend.models.transformer import TransformerOps
 
 
@@ -78,9 +79,14 @@ class PrefillPlan:
     stored_v: torch.Tensor | None  # [L, Hkv, T, d]; ideally a view of the cache's V rows (no copy)
     stored_mask: torch.Tensor  # [T] bool
     active_rows: torch.Tensor  # [A] long, rows computed from layer 0
+    _: KW_ONLY  # the rest by name: several share a type, and a shifted positional would still run
     check_layers: tuple[int, ...] = ()
     check_keep: tuple[int, ...] = ()
     deviation: str = "v"
+    selection: str = "deviation"  # "query": ranked by the query's attention at the check layer
+    # Sum, over layers, the attention the computed rows give every key (PrefillOutput.query_attention):
+    # on a reuse plan those rows are the query, and the sums rank the chunk rows for "lookahead".
+    record_query_attention: bool = False
     # Pipelined loading: called before layer l's stored rows are first read; blocks until loaded.
     wait_layer: Callable[[int], None] | None = None
 
@@ -95,6 +101,7 @@ class PrefillOutput:
     fresh_k: torch.Tensor  # [L, Hkv, T, d] pre-RoPE keys: fresh where computed, stored elsewhere
     fresh_v: torch.Tensor
     recomputed_rows: torch.Tensor  # stored rows still active after the last check layer
+    query_attention: torch.Tensor | None = None  # [T] float32, when the plan asked for it
 
 
 # Hidden rows are padded to a multiple of this: oneDNN builds a matmul primitive per new row count
@@ -114,7 +121,8 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
     checks = dict(zip(plan.check_layers, plan.check_keep))
     last_layer = ops.num_layers - 1
     h = _pad_rows(ops.embed(plan.token_ids[active]))  # [A + pad, D]; rows past A are zeros, never read
-    recomputed = torch.empty(0, dtype=torch.long)
+    recomputed = active[plan.stored_mask[active.cpu()].to(active.device)].cpu()  # narrowed at check layers
+    recorder = QueryAttentionRecorder(ops, T) if plan.record_query_attention else None
     for layer in range(ops.num_layers):
         if has_stored and plan.wait_layer is not None:
             # Also when every row is computed (blend@1 after the check layer): fresh rows overwrite
@@ -133,10 +141,27 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
             last = active.numel() - 1
             q, h, active = q[:, last:], h[last:last + 1], active[last:]
         attn = attention(layer, q, k_pre[layer], v_all[layer], cache.k[layer, :, :T], active)  # [A, Hq * d]
+        if recorder is not None:  # the attention call has just rotated this layer's keys into the cache
+            recorder.add(q, cache.k[layer, :, :T], active)
         h = ops.finish_layer(layer, h, _pad_rows(attn, h.shape[0]))
     cache.length = T
     last_logits = ops.logits(h[active.numel() - 1:active.numel()])[0]
-    return PrefillOutput(last_logits, k_pre, v_all, recomputed)
+    return PrefillOutput(last_logits, k_pre, v_all, recomputed, recorder.total if recorder else None)
+
+
+class QueryAttentionRecorder:
+    """Attention every key receives from the computed rows, summed over layers, heads and rows. The
+    kernels never materialise attention probabilities; this recomputes them for the few query rows."""
+
+    def __init__(self, ops: TransformerOps, num_tokens: int):
+        self.ops = ops
+        self.cos, self.sin = ops.rope_cos_sin(torch.arange(num_tokens, device=ops.device))  # [T, d]
+        self.total = torch.zeros(num_tokens, dtype=torch.float32, device=ops.device)  # [T]
+
+    def add(self, q: torch.Tensor, keys: torch.Tensor, active: torch.Tensor) -> None:
+        """q [Hq, A, d] pre-RoPE of rows ``active``; keys [Hkv, T, d] post-RoPE (the layer's cache)."""
+        q_rot = apply_rope(q, self.cos[active], self.sin[active])
+        self.total += query_attention(q_rot, keys, active, self.ops.scaling)
 
 
 def _pad_rows(x: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
@@ -335,6 +360,9 @@ def _check_layer_qkv(ops: TransformerOps, plan: PrefillPlan, layer: int, h: torc
     dropped rows keep their stored K at this layer, as at every later one."""
     T = k_layer.shape[1]
     num_rows = active.numel()
+    is_stored = plan.stored_mask.to(active.device)[active]  # [A] bool
+    if plan.selection == "query" and not bool(is_stored.all()):
+        return _query_check_qkv(ops, layer, h, active, is_stored, k_layer, v_layer, num_keep)
     if plan.deviation == "v":
         (v,) = ops.qkv(layer, h, "v")
         v = v[:, :num_rows]
@@ -350,6 +378,31 @@ def _check_layer_qkv(ops: TransformerOps, plan: PrefillPlan, layer: int, h: torc
     _write_rows(v_layer, v, active, T)
     # rows gathered in q_proj's own [A, Hq, d] layout, so grouping them stays a view
     return q.transpose(0, 1)[keep].transpose(0, 1), keep, _pad_rows(h[keep])
+
+
+def _query_check_qkv(ops: TransformerOps, layer: int, h: torch.Tensor, active: torch.Tensor,
+                     is_stored: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, num_keep: int):
+    """``_check_layer_qkv`` with query-aware selection: fresh K/V of every active row are written, then
+    the query rows (the unstored active rows) attend over every key of this layer; the ``num_keep``
+    stored rows they attend to most stay computed. Q is projected for the query rows, then for the
+    kept ones."""
+    T, num_rows = k_layer.shape[1], active.numel()
+    k, v = (t[:, :num_rows] for t in ops.qkv(layer, h, "kv"))
+    _write_rows(k_layer, k, active, T)
+    _write_rows(v_layer, v, active, T)
+    query = (~is_stored).nonzero().flatten()  # local indices of the query rows
+    (q_query,) = ops.qkv(layer, _pad_rows(h[query]), "q")
+    positions = active[query]
+    cos, sin = ops.rope_cos_sin(torch.arange(T, device=k_layer.device))  # [T, d]
+    keys = apply_rope(k_layer, cos, sin)  # [Hkv, T, d]: every row at its absolute position
+    q_rot = apply_rope(q_query[:, :query.numel()], cos[positions], sin[positions])  # [Hq, Q, d]
+    received = query_attention(q_rot, keys, positions, ops.scaling)  # [T]
+    cand = is_stored.nonzero().flatten()
+    chosen = cand[select_top_tokens(received[active[cand]], num_keep)]
+    keep = torch.cat([query, chosen]).sort().values
+    h = _pad_rows(h[keep])
+    (q,) = ops.qkv(layer, h, "q")
+    return q[:, :keep.numel()], keep, h
 
 
 def _check_rows(plan: PrefillPlan, active: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor,

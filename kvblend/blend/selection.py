@@ -1,8 +1,14 @@
 """Token selection for CacheBlend, as pure functions over tensors.
 
 At a check layer every candidate row has fresh K/V (computed in the real, mixed context) and cached K/V
-(computed with its chunk alone). Rows whose KV deviates most are the ones missing cross-chunk attention:
-they keep being recomputed; the rest reuse their cached KV from here on.
+(computed with its chunk alone). Ways to score which rows keep being recomputed (the rest reuse their
+cached KV from here on):
+
+    deviation  rows whose KV deviates most are the ones missing cross-chunk attention (CacheBlend)
+    query      rows the query attends to most at the check layer: their errors are the ones the answer
+               reads (query-aware selection, as in A3, arXiv 2511.17560)
+    lookahead  rows the query attends to most summed over every layer of a reuse pass run first (the
+               engine runs that pass; ``query_attention`` scores each layer)
 """
 
 from __future__ import annotations
@@ -28,6 +34,25 @@ def token_deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torc
     if kind == "kv":
         return sq(fresh_k, cached_k) + sq(fresh_v, cached_v)
     raise ValueError(f"unknown deviation kind {kind!r}")
+
+
+def query_attention(query_q: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
+                    scaling: float) -> torch.Tensor:
+    """Attention probability each key receives from the query rows, summed over heads and query rows.
+
+    query_q [Hq, Q, d] and keys [Hkv, T, d] post-RoPE (Hq a multiple of Hkv: grouped-query heads share a
+    key head); query_positions [Q]: the rows' absolute positions, each sees keys at positions <= its
+    own (exact causal). -> float32 [T]. One key head at a time bounds memory to [Hq/Hkv * Q, T].
+    """
+    num_kv_heads, num_keys = keys.shape[0], keys.shape[1]
+    group = query_q.shape[0] // num_kv_heads
+    hidden = ~causal_mask(query_positions, num_keys)  # [Q, T]
+    total = torch.zeros(num_keys, dtype=torch.float32, device=keys.device)
+    for g in range(num_kv_heads):
+        q = query_q[g * group:(g + 1) * group].float()  # [group, Q, d]
+        scores = (q @ keys[g].float().T) * scaling  # [group, Q, T]
+        total += scores.masked_fill_(hidden, float("-inf")).softmax(dim=-1).sum(dim=(0, 1))
+    return total
 
 
 def num_to_keep(ratio: float, num_candidates: int) -> int:

@@ -18,6 +18,7 @@ from kvblend.client.auth import Endpoint
 # OVERRIDE_NAMESPACE (e.g. "kvblend") and every caller follows.
 MODE_FIELD = "mode"
 RATIO_FIELD = "recompute_ratio"
+SELECTION_FIELD = "selection"
 OVERRIDE_NAMESPACE: str | None = None
 
 DEFAULT_MODE = "default"  # mode spec meaning "send no override"
@@ -25,42 +26,49 @@ DEFAULT_MODE = "default"  # mode spec meaning "send no override"
 PLACEHOLDER_KEY = "EMPTY"  # the openai client insists on a key; servers without auth ignore it
 
 
-def kvblend_override(mode: str | None, ratio: float | None = None) -> dict:
-    """extra_body asking kvblend for one prefill mode (and ratio); {} when mode is None."""
+def kvblend_override(mode: str | None, ratio: float | None = None, selection: str | None = None) -> dict:
+    """extra_body asking kvblend for one prefill mode (and ratio, token selection); {} when mode is None."""
     if mode is None:
         return {}
     body: dict = {MODE_FIELD: mode}
     if ratio is not None:
         body[RATIO_FIELD] = float(ratio)
+    if selection is not None:
+        body[SELECTION_FIELD] = selection
     return {OVERRIDE_NAMESPACE: body} if OVERRIDE_NAMESPACE else body
 
 
 @dataclass(frozen=True)
 class ModeSpec:
-    """A prefill mode as named on the command line: ``full``, ``reuse``, ``blend``, ``blend@0.15``;
-    ``default`` sends no override (the server's own default; the only choice for non-kvblend servers)."""
+    """A prefill mode as named on the command line: ``full``, ``reuse``, ``blend``, ``blend@0.15``,
+    ``blend@0.15/lookahead`` (a token selection, as `bench engine` names its rows); ``default`` sends no
+    override (the server's own default; the only choice for non-kvblend servers)."""
 
     mode: str
     ratio: float | None = None
+    selection: str | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.mode}@{self.ratio:g}" if self.ratio is not None else self.mode
+        label = f"{self.mode}@{self.ratio:g}" if self.ratio is not None else self.mode
+        return f"{label}/{self.selection}" if self.selection else label
 
     def extra_body(self) -> dict:
-        return {} if self.mode == DEFAULT_MODE else kvblend_override(self.mode, self.ratio)
+        return {} if self.mode == DEFAULT_MODE else kvblend_override(self.mode, self.ratio, self.selection)
 
 
 def parse_mode_spec(text: str) -> ModeSpec:
-    from kvblend.config import validate_mode, validate_ratio
+    from kvblend.config import validate_mode, validate_ratio, validate_selection
 
-    mode, _, ratio = text.strip().partition("@")
-    if mode == DEFAULT_MODE and not ratio:
+    spec, _, selection = text.strip().partition("/")
+    mode, _, ratio = spec.partition("@")
+    if mode == DEFAULT_MODE and not ratio and not selection:
         return ModeSpec(DEFAULT_MODE)
     validate_mode(mode)
-    if ratio and mode != "blend":
-        raise ValueError(f"only blend takes a ratio ('blend@0.15'), got {text!r}")
-    return ModeSpec(mode, validate_ratio(float(ratio)) if ratio else None)
+    if (ratio or selection) and mode != "blend":
+        raise ValueError(f"only blend takes a ratio or a token selection ('blend@0.15/lookahead'), got {text!r}")
+    return ModeSpec(mode, validate_ratio(float(ratio)) if ratio else None,
+                    validate_selection(selection) if selection else None)
 
 
 def parse_mode_list(text: str) -> list[ModeSpec]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvblend.config import SELECTION_KINDS
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--doc", action="append", default=[], help="a document (chunk); repeatable")
@@ -16,6 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (default): bfloat16 where this CPU has native bf16 (AMX / AVX-512 BF16), else float32")
     p.add_argument("--mode", default="blend", choices=["full", "prefix", "reuse", "blend"])
     p.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio in [0, 1]")
+    p.add_argument("--selection", default=None, choices=SELECTION_KINDS,
+                   help="which chunk tokens blend recomputes: deviation (largest KV deviation at the check layer) "
+                        "or query (most attended by the query there); default: the engine's")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -45,12 +50,14 @@ def run(args) -> int:
     segs = engine.segments(docs, args.question, instruction=args.instruction)
     if args.mode in ("reuse", "blend"):
         engine.precompute(segs.chunk_ids)  # a one-shot run has an empty store: fill it first, untimed
-    result = engine.run(GenerationRequest(segs, sampling, mode=args.mode, recompute_ratio=args.ratio))
+    result = engine.run(GenerationRequest(segs, sampling, mode=args.mode, recompute_ratio=args.ratio,
+                                          selection=args.selection))
     if args.json:
         print(json.dumps({"text": result.text, "finish_reason": result.finish_reason, **result.stats.as_dict()}))
     else:
         s = result.stats
         print(result.text)
-        print(f"[{s.mode} r={s.recompute_ratio:g}: {s.prompt_tokens} prompt tokens, {s.cached_tokens} cached "
+        how = f"{s.mode} r={s.recompute_ratio:g}" + (f" {s.selection}" if s.selection else "")
+        print(f"[{how}: {s.prompt_tokens} prompt tokens, {s.cached_tokens} cached "
               f"({s.recomputed_tokens} recomputed), TTFT {s.ttft_ms:.0f} ms]")
     return 0

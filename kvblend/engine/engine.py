@@ -11,7 +11,7 @@ import logging
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,8 +21,8 @@ from kvblend.blend.buffers import BufferPool, typed_view
 from kvblend.blend.rope import apply_rope, halves_repeat
 from kvblend.blend.segmenter import (CHUNK_SEPARATOR, Segments, build_segments, build_segments_from_parts,
                                      encode, render_template_halves, split_plain_text)
-from kvblend.blend.selection import num_to_keep
-from kvblend.config import EngineConfig, validate_mode, validate_ratio
+from kvblend.blend.selection import num_to_keep, select_top_tokens
+from kvblend.config import EngineConfig, validate_mode, validate_ratio, validate_selection
 from kvblend.engine.request import (GenerationRequest, GenerationResult, PrefillStats,
                                     TokenEvent)
 from kvblend.engine.sampler import create_generator, sample
@@ -178,6 +178,7 @@ class Engine:
         mode = validate_mode(request.mode or self.config.blend.mode)
         ratio = validate_ratio(self.config.blend.recompute_ratio if request.recompute_ratio is None
                                else request.recompute_ratio)
+        validate_selection(request.selection or self.config.blend.selection)
         segs = request.segments
         num_tokens = segs.num_tokens
         if num_tokens == 0:
@@ -202,12 +203,16 @@ class Engine:
         """Plan, run the layer loop (once more if stored KV fails mid-read), sample the first token.
         k_work [L, Hkv, T, d]: pre-RoPE K of the prompt rows, stored rows loaded into it."""
         segs, num_tokens = request.segments, request.segments.num_tokens
+        selection = request.selection or self.config.blend.selection
         for attempt in range(2):
             stats = PrefillStats(mode=mode, recompute_ratio=ratio if mode == "blend" else (0.0 if mode == "reuse" else 1.0),
-                                 prompt_tokens=num_tokens)
-            plan, stored, to_store, loader = self._plan(segs, mode, ratio, request.namespace, stats, cache, k_work)
+                                 selection=selection if mode == "blend" else None, prompt_tokens=num_tokens)
+            plan, stored, to_store, loader = self._plan(segs, mode, ratio, selection, request.namespace, stats, cache,
+                                                        k_work)
             t_loaded = time.perf_counter()
             try:
+                if selection == "lookahead" and plan.check_layers:
+                    plan = self._lookahead(plan, cache)
                 out = run_prefill(self.ops, plan, cache)
                 break
             except KVReadError as e:  # an entry went bad mid-read: it is gone now, so plan again
@@ -233,7 +238,7 @@ class Engine:
             seq.pending.append(event)
         return seq
 
-    def _plan(self, segs: Segments, mode: str, ratio: float, namespace: str, stats: PrefillStats,
+    def _plan(self, segs: Segments, mode: str, ratio: float, selection: str, namespace: str, stats: PrefillStats,
               cache: KVCache, k_work: torch.Tensor):
         """Look segments up in the store for ``mode`` and build the layer-loop plan; stored K loads into
         ``k_work`` [L, Hkv, T, d], stored V into the cache.
@@ -248,7 +253,9 @@ class Engine:
         elif mode == "prefix":
             stored, to_store = self._lookup_prefix_chain(segs, namespace)
         else:
-            stored, to_store = self._lookup_chunks(segs, namespace, stats, f"{mode}@{ratio:g}")
+            # blended KV depends on the selection too: chained entries of one never serve the other
+            tag = f"{mode}@{ratio:g}" + (f"/{selection}" if mode == "blend" and selection != "deviation" else "")
+            stored, to_store = self._lookup_chunks(segs, namespace, stats, tag)
         stored_mask = torch.zeros(num_tokens, dtype=torch.bool)
         stored_k, stored_v, loader = k_work, None, None  # k_work also holds the fresh rows' K
         if stored:
@@ -275,9 +282,29 @@ class Engine:
         if active.numel() == 0 or int(active[-1]) != num_tokens - 1:
             # The last row's logits are the first token: it is always computed.
             active = torch.unique(torch.cat([active, torch.tensor([num_tokens - 1])]))
-        plan = PrefillPlan(ids, stored_k, stored_v, stored_mask, active, layers, keep,
-                           self.config.blend.deviation, loader.wait_layer if loader else None)
+        plan = PrefillPlan(ids, stored_k, stored_v, stored_mask, active, check_layers=layers, check_keep=keep,
+                           deviation=self.config.blend.deviation, selection=selection,
+                           wait_layer=loader.wait_layer if loader else None)
         return plan, stored, to_store, loader
+
+    def _lookahead(self, plan: PrefillPlan, cache: KVCache) -> PrefillPlan:
+        """The "lookahead" selection: a reuse pass (only the unstored rows, the query, computed over the
+        stored KV) sums the attention each chunk row gets from the query over every layer; the blend plan
+        then recomputes the top ones from layer 0 on, with no check layer. Layer-0 KV is context-free,
+        so the dropped rows lose nothing by skipping layer 0 and the saving pays for most of the pass."""
+        active = plan.active_rows
+        is_stored = plan.stored_mask[active.cpu()].to(active.device)
+        # the last row is always computed: its logits are the first token
+        always = torch.unique(torch.cat([active[~is_stored], active[-1:]]))
+        candidates = active[is_stored & (active != active[-1])]
+        num_keep = plan.check_keep[-1]
+        if 0 < num_keep < candidates.numel():  # else nothing to rank: recompute all candidates or none
+            reuse = replace(plan, active_rows=always, check_layers=(), check_keep=(), record_query_attention=True)
+            received = run_prefill(self.ops, reuse, cache).query_attention  # [T]
+            chosen = candidates[select_top_tokens(received[candidates], num_keep)]
+        else:
+            chosen = candidates[:num_keep]
+        return replace(plan, active_rows=torch.unique(torch.cat([always, chosen])), check_layers=(), check_keep=())
 
     def _check_schedule(self, ratio: float, num_chunk_rows: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Check layers and how many chunk rows each keeps. Gradual filtering: the configured ratios,

@@ -32,6 +32,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     mode: str | None = None  # None: the engine's default (BlendConfig.mode)
     recompute_ratio: float | None = None
+    selection: str | None = None  # blend's token selection; None: the engine's default (BlendConfig.selection)
     namespace: str = ""  # tenant: part of every store key, so tenants never share KV
 
 
@@ -45,6 +46,7 @@ class PrefillStats:
 
     mode: str
     recompute_ratio: float
+    selection: str | None = None  # blend's token selection; None for the other modes
     prompt_tokens: int = 0
     reused_tokens: int = 0  # loaded from the store and used as is
     recomputed_tokens: int = 0  # loaded, then selected and recomputed past the check layer
@@ -61,7 +63,8 @@ class PrefillStats:
 
     def as_dict(self) -> dict:
         return {
-            "mode": self.mode, "recompute_ratio": self.recompute_ratio, "prompt_tokens": self.prompt_tokens,
+            "mode": self.mode, "recompute_ratio": self.recompute_ratio, "selection": self.selection,
+            "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens, "reused_tokens": self.reused_tokens,
             "recomputed_tokens": self.recomputed_tokens, "fresh_tokens": self.fresh_tokens,
             "chunks_hit": self.chunks_hit, "chunks_total": self.chunks_total,

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvblend.server import errors
 from kvblend.server.backends import Delta, Final, GenerationJob
+from kvblend.server.schemas import Selection
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class MessagesRequest(BaseModel):
     documents: list[str] | None = None
     mode: Literal["full", "prefix", "reuse", "blend"] | None = None
     recompute_ratio: float | None = Field(default=None, ge=0, le=1)
+    selection: Selection | None = None
 
 
 def error_response(e: errors.APIError) -> JSONResponse:
@@ -177,7 +179,8 @@ def to_job(body: MessagesRequest, namespace: str, send_stops: bool) -> Generatio
     return GenerationJob(messages=to_openai_messages(body), documents=list(body.documents or []),
                          max_tokens=body.max_tokens, temperature=temperature, top_p=top_p,
                          stop=[s for s in body.stop_sequences or [] if s] if send_stops else [],
-                         mode=body.mode, recompute_ratio=body.recompute_ratio, namespace=namespace)
+                         mode=body.mode, recompute_ratio=body.recompute_ratio, selection=body.selection,
+                         namespace=namespace)
 
 
 class _StopScanner:

@@ -195,7 +195,7 @@ def _sampling_job(body, principal: Principal) -> GenerationJob:
     return GenerationJob(
         documents=[_document(d).text for d in body.documents or []], max_tokens=body.max_tokens,
         temperature=temperature, top_p=top_p, stop=[s for s in stop if s], seed=body.seed, mode=body.mode,
-        recompute_ratio=body.recompute_ratio, namespace=principal.namespace,
+        recompute_ratio=body.recompute_ratio, selection=body.selection, namespace=principal.namespace,
     )
 
 

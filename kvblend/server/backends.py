@@ -39,6 +39,7 @@ class GenerationJob:
     seed: int | None = None
     mode: str | None = None
     recompute_ratio: float | None = None
+    selection: str | None = None
     namespace: str = ""
 
 
@@ -105,7 +106,7 @@ def build_request(engine, job: GenerationJob, default_max_tokens: int) -> Genera
     sampling = SamplingParams(max_tokens=max_tokens, temperature=job.temperature, top_p=job.top_p,
                               stop=list(job.stop), seed=job.seed)
     return GenerationRequest(segs, sampling, mode=job.mode, recompute_ratio=job.recompute_ratio,
-                             namespace=job.namespace)
+                             selection=job.selection, namespace=job.namespace)
 
 
 def map_engine_error(e: BaseException) -> errors.APIError:

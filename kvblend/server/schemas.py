@@ -2,7 +2,7 @@
 
 Unknown request fields are ignored (``extra="ignore"``), as OpenAI-compatible servers do for
 parameters they do not implement (presence_penalty, logit_bias, user, ...). Extensions, sent by the
-OpenAI SDK through ``extra_body``: ``documents``, ``mode``, ``recompute_ratio``.
+OpenAI SDK through ``extra_body``: ``documents``, ``mode``, ``recompute_ratio``, ``selection``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
+Selection = Literal["deviation", "query", "lookahead"]  # blend's token selection (kvblend.config.SELECTION_KINDS)
 
 
 class _Request(BaseModel):
@@ -63,6 +64,7 @@ class _Sampling(_Request):
     documents: list[DocumentIn] | None = Field(default=None, max_length=4096)
     mode: Mode | None = None
     recompute_ratio: float | None = Field(default=None, ge=0, le=1)
+    selection: Selection | None = None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -309,6 +309,8 @@ class UpstreamBackend:
             body["mode"] = job.mode
         if job.recompute_ratio is not None:
             body["recompute_ratio"] = job.recompute_ratio
+        if job.selection is not None:
+            body["selection"] = job.selection
         self._inflight += 1
         try:
             resp = await self._send("/chat/completions" if chat else "/completions", body, stream=True)
