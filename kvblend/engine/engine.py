@@ -291,7 +291,7 @@ class Engine:
         """The "lookahead" selection: a reuse pass (only the unstored rows, the query, computed over the
         stored KV) sums the attention each chunk row gets from the query over every layer; the blend plan
         then recomputes the top ones from layer 0 on, with no check layer. Layer-0 KV is context-free,
-        so the dropped rows lose nothing by skipping layer 0 and the saving pays for most of the pass."""
+        so the dropped rows lose nothing by skipping layer 0, which offsets part of the pass's cost."""
         active = plan.active_rows
         is_stored = plan.stored_mask[active.cpu()].to(active.device)
         # the last row is always computed: its logits are the first token
