@@ -100,9 +100,9 @@ def plot_engine(result: dict, path: Path) -> None:
     prefill; right, first-token agreement and F1 as a share of full's."""
     plt = _pyplot()
     curve = result["quality_vs_ratio"]
-    selections = list(dict.fromkeys((p.get("selection") or "deviation") for p in curve if p["mode"] == "blend"))
-    lines = {sel: [p for p in curve if p["mode"] == "blend" and (p.get("selection") or "deviation") == sel]
-             for sel in selections}  # one blend line per token selection
+    blend_points = [p for p in curve if p["mode"] == "blend"]  # quality_curve gives each its selection
+    lines = {sel: [p for p in blend_points if p["selection"] == sel]
+             for sel in dict.fromkeys(p["selection"] for p in blend_points)}  # one line per token selection
     ends = [p for p in curve if p["mode"] != "blend"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for sel, blend in lines.items():

@@ -94,6 +94,10 @@ class PrefillPlan:
     def num_tokens(self) -> int:
         return int(self.token_ids.numel())
 
+    def is_stored(self, rows: torch.Tensor) -> torch.Tensor:
+        """[R] bool on rows' device: which of ``rows`` have stored KV."""
+        return self.stored_mask.to(rows.device)[rows]
+
 
 @dataclass
 class PrefillOutput:
@@ -121,7 +125,7 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
     checks = dict(zip(plan.check_layers, plan.check_keep))
     last_layer = ops.num_layers - 1
     h = _pad_rows(ops.embed(plan.token_ids[active]))  # [A + pad, D]; rows past A are zeros, never read
-    recomputed = active[plan.stored_mask[active.cpu()].to(active.device)].cpu()  # narrowed at check layers
+    recomputed = active[plan.is_stored(active)].cpu()  # narrowed at check layers
     recorder = QueryAttentionRecorder(ops, T) if plan.record_query_attention else None
     for layer in range(ops.num_layers):
         if has_stored and plan.wait_layer is not None:
@@ -131,7 +135,7 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
         if layer in checks:  # shrink to the selected rows from this layer's attention on
             q, keep, h = _check_layer_qkv(ops, plan, layer, h, active, k_pre[layer], v_all[layer], checks[layer])
             active = active[keep]
-            recomputed = active[plan.stored_mask[active.cpu()]].cpu()
+            recomputed = active[plan.is_stored(active)].cpu()
         elif layer == 0 and has_stored:
             q = _first_layer_qkv(ops, plan, h, active, k_pre[0], v_all[0])
         else:
@@ -150,8 +154,9 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
 
 
 class QueryAttentionRecorder:
-    """Attention every key receives from the computed rows, summed over layers, heads and rows. The
-    kernels never materialise attention probabilities; this recomputes them for the few query rows."""
+    """Attention every key receives from the computed rows, summed over the layers ``add`` is called for,
+    heads and rows. The kernels never materialise attention probabilities; this recomputes them for the
+    few query rows."""
 
     def __init__(self, ops: TransformerOps, num_tokens: int):
         self.ops = ops
@@ -341,7 +346,7 @@ def _first_layer_qkv(ops: TransformerOps, plan: PrefillPlan, h: torch.Tensor, ac
     K/V [Hkv, T, d] for the unstored active rows only. Layer-0 K/V depends on the token alone (no
     attention precedes it), so a stored row's K/V there already is what a fresh projection gives."""
     num_rows, T = active.numel(), k_layer.shape[1]
-    fresh = (~plan.stored_mask.to(active.device)[active]).nonzero().flatten()  # local indices
+    fresh = (~plan.is_stored(active)).nonzero().flatten()  # local indices
     if fresh.numel() == num_rows:  # reuse / prefix: no stored row is computed, one matmul for all
         return _project_rows(ops, 0, h, active, k_layer, v_layer)
     (q,) = ops.qkv(0, h, "q")
@@ -360,20 +365,20 @@ def _check_layer_qkv(ops: TransformerOps, plan: PrefillPlan, layer: int, h: torc
     dropped rows keep their stored K at this layer, as at every later one."""
     T = k_layer.shape[1]
     num_rows = active.numel()
-    is_stored = plan.stored_mask.to(active.device)[active]  # [A] bool
+    is_stored = plan.is_stored(active)  # [A] bool
     if plan.selection == "query" and not bool(is_stored.all()):
         return _query_check_qkv(ops, layer, h, active, is_stored, k_layer, v_layer, num_keep)
     if plan.deviation == "v":
         (v,) = ops.qkv(layer, h, "v")
         v = v[:, :num_rows]
-        keep = _check_rows(plan, active, None, v, k_layer, v_layer, num_keep)
+        keep = _check_rows(plan, active, is_stored, None, v, k_layer, v_layer, num_keep)
         _write_rows(v_layer, v, active, T)
         h = _pad_rows(h[keep])
         q, k = (t[:, :keep.numel()] for t in ops.qkv(layer, h, "qk"))
         _write_rows(k_layer, k, active[keep], T)
         return q, keep, h
     q, k, v = (t[:, :num_rows] for t in ops.qkv(layer, h))
-    keep = _check_rows(plan, active, k, v, k_layer, v_layer, num_keep)
+    keep = _check_rows(plan, active, is_stored, k, v, k_layer, v_layer, num_keep)
     _write_rows(k_layer, k, active, T)
     _write_rows(v_layer, v, active, T)
     # rows gathered in q_proj's own [A, Hq, d] layout, so grouping them stays a view
@@ -392,11 +397,10 @@ def _query_check_qkv(ops: TransformerOps, layer: int, h: torch.Tensor, active: t
     _write_rows(v_layer, v, active, T)
     query = (~is_stored).nonzero().flatten()  # local indices of the query rows
     (q_query,) = ops.qkv(layer, _pad_rows(h[query]), "q")
-    positions = active[query]
-    cos, sin = ops.rope_cos_sin(torch.arange(T, device=k_layer.device))  # [T, d]
-    keys = apply_rope(k_layer, cos, sin)  # [Hkv, T, d]: every row at its absolute position
-    q_rot = apply_rope(q_query[:, :query.numel()], cos[positions], sin[positions])  # [Hq, Q, d]
-    received = query_attention(q_rot, keys, positions, ops.scaling)  # [T]
+    recorder = QueryAttentionRecorder(ops, T)
+    keys = apply_rope(k_layer, recorder.cos, recorder.sin)  # [Hkv, T, d]: every row at its absolute position
+    recorder.add(q_query[:, :query.numel()], keys, active[query])
+    received = recorder.total  # [T]
     cand = is_stored.nonzero().flatten()
     chosen = cand[select_top_tokens(received[active[cand]], num_keep)]
     keep = torch.cat([query, chosen]).sort().values
@@ -405,14 +409,14 @@ def _query_check_qkv(ops: TransformerOps, layer: int, h: torch.Tensor, active: t
     return q[:, :keep.numel()], keep, h
 
 
-def _check_rows(plan: PrefillPlan, active: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor,
-                stored_k_layer: torch.Tensor, stored_v_layer: torch.Tensor, num_keep: int) -> torch.Tensor:
+def _check_rows(plan: PrefillPlan, active: torch.Tensor, is_stored: torch.Tensor, k: torch.Tensor | None,
+                v: torch.Tensor, stored_k_layer: torch.Tensor, stored_v_layer: torch.Tensor,
+                num_keep: int) -> torch.Tensor:
     """Local indices (into ``active``) that stay computed after this check layer.
 
     Unstored active rows (query, fresh segments) always stay; among stored active rows the ``num_keep``
-    with the largest fresh-vs-stored deviation stay.
+    with the largest fresh-vs-stored deviation stay. is_stored: [A] bool, ``plan.is_stored(active)``.
     """
-    is_stored = plan.stored_mask.to(active.device)[active]  # [A] bool
     cand = is_stored.nonzero().flatten()  # local indices of stored rows
     rows = active[cand]
     if k is None:  # the value deviation: keys are not compared

@@ -19,8 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="blend", choices=["full", "prefix", "reuse", "blend"])
     p.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio in [0, 1]")
     p.add_argument("--selection", default=None, choices=SELECTION_KINDS,
-                   help="which chunk tokens blend recomputes: deviation (largest KV deviation at the check layer) "
-                        "or query (most attended by the query there); default: the engine's")
+                   help="which chunk tokens blend recomputes: deviation (largest KV deviation at the check layer), "
+                        "query (most attended by the query there) or lookahead (most attended by the query over "
+                        "all layers of a reuse pass run first); default: the engine's")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -178,7 +178,7 @@ class Engine:
         mode = validate_mode(request.mode or self.config.blend.mode)
         ratio = validate_ratio(self.config.blend.recompute_ratio if request.recompute_ratio is None
                                else request.recompute_ratio)
-        validate_selection(request.selection or self.config.blend.selection)
+        selection = validate_selection(request.selection or self.config.blend.selection)
         segs = request.segments
         num_tokens = segs.num_tokens
         if num_tokens == 0:
@@ -190,7 +190,7 @@ class Engine:
         k_buffer = self.buffers.take(cache.k[:, :, :num_tokens].nbytes, self.ops.device)
         k_work = typed_view(k_buffer, _rows_shape(cache, num_tokens), self.ops.dtype)
         try:
-            seq = self._prefill(request, mode, ratio, cache, k_work, t0)
+            seq = self._prefill(request, mode, ratio, selection, cache, k_work, t0)
         except BaseException:
             cache.release()
             raise
@@ -198,12 +198,11 @@ class Engine:
             self.buffers.give(k_buffer)  # the pre-RoPE K workspace: nothing reads it past the prefill
         return seq
 
-    def _prefill(self, request: GenerationRequest, mode: str, ratio: float, cache: KVCache, k_work: torch.Tensor,
-                 t0: float) -> Sequence:
+    def _prefill(self, request: GenerationRequest, mode: str, ratio: float, selection: str, cache: KVCache,
+                 k_work: torch.Tensor, t0: float) -> Sequence:
         """Plan, run the layer loop (once more if stored KV fails mid-read), sample the first token.
         k_work [L, Hkv, T, d]: pre-RoPE K of the prompt rows, stored rows loaded into it."""
         segs, num_tokens = request.segments, request.segments.num_tokens
-        selection = request.selection or self.config.blend.selection
         for attempt in range(2):
             stats = PrefillStats(mode=mode, recompute_ratio=ratio if mode == "blend" else (0.0 if mode == "reuse" else 1.0),
                                  selection=selection if mode == "blend" else None, prompt_tokens=num_tokens)
@@ -293,7 +292,7 @@ class Engine:
         then recomputes the top ones from layer 0 on, with no check layer. Layer-0 KV is context-free,
         so the dropped rows lose nothing by skipping layer 0, which offsets part of the pass's cost."""
         active = plan.active_rows
-        is_stored = plan.stored_mask[active.cpu()].to(active.device)
+        is_stored = plan.is_stored(active)
         # the last row is always computed: its logits are the first token
         always = torch.unique(torch.cat([active[~is_stored], active[-1:]]))
         candidates = active[is_stored & (active != active[-1])]
