@@ -26,6 +26,13 @@ NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 ATTENTION_KERNELS = ("auto", "amx", "avx2", "torch")
 
 
+def validate_device(device: str) -> str:
+    """"cpu", "cuda" or "cuda:N" (whether CUDA is there is checked when the model loads)."""
+    if device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        return device
+    raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+
+
 def default_cache_dir() -> Path:
     """Root for converted weights and the disk KV tier (``KVBLEND_CACHE_DIR`` overrides)."""
     env = os.environ.get("KVBLEND_CACHE_DIR")
@@ -74,6 +81,7 @@ class ModelConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self.device = validate_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}")

@@ -7,6 +7,7 @@ import shutil
 from functools import lru_cache
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvblend.config import BlendConfig, EngineConfig, ModelConfig
@@ -16,11 +17,18 @@ MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev
 INSTRUCTION = "Answer the question from the passages. Answer within 5 words.\n\n"
 
 
+# Gates parametrized over this run on the CPU everywhere and on CUDA where a GPU is present (CI has none;
+# `pytest tests -k cuda` on a GPU machine runs just those).
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+
+
 @lru_cache(maxsize=None)
-def embedded_engine(dtype: str = "float32", attention_kernel: str = "auto") -> Engine:
+def embedded_engine(dtype: str = "float32", attention_kernel: str = "auto", device: str = "cpu") -> Engine:
     """The embedded model; ``attention_kernel`` "auto" takes the native kernel where this CPU has it,
     "torch" pins PyTorch's kernels (so both prefill attention paths stay gated)."""
-    return create_engine(EngineConfig(model=ModelConfig(dtype=dtype, num_threads=2, attention_kernel=attention_kernel)))
+    return create_engine(EngineConfig(model=ModelConfig(dtype=dtype, device=device, num_threads=2,
+                                                        attention_kernel=attention_kernel)))
 
 
 def musique_docs(example: int = 0, num_docs: int = 4) -> tuple[list[str], str]:

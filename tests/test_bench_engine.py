@@ -106,3 +106,22 @@ def test_bench_engine_rejects_an_offset_past_the_data(tmp_path):
     assert proc.returncode != 0
     assert "--offset 2 skips all 2 examples" in proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_model_and_device_errors_are_one_line(tmp_path):
+    """A device that is not there (cuda:7: no CUDA on a CPU-only build, too few GPUs elsewhere), a malformed
+    device and a missing model path each end the CLI with one line, no traceback and no JSON."""
+    out = tmp_path / "x.json"
+    cases = [
+        (_bench("--examples", "1", "--device", "cuda:7", "--out", str(out)),
+         ("CUDA is not available to this PyTorch", "this machine has")),
+        (_bench("--examples", "1", "--device", "gpu", "--out", str(out)), ("device must be cpu, cuda or cuda:N, got 'gpu'",)),
+        (subprocess.run([sys.executable, "-m", "kvblend.cli", "generate", "--model", str(tmp_path / "none.gguf"),
+                         "--question", "hi"], capture_output=True, text=True, timeout=600),
+         ("does not exist (model hubs are not reachable",)),
+    ]
+    for proc, messages in cases:
+        assert proc.returncode == 2, proc.stderr
+        assert any(m in proc.stderr for m in messages), proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not out.exists()

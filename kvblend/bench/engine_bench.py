@@ -81,6 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto (default): bfloat16 where this CPU has native bf16 (AMX / AVX-512 BF16), else float32")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--attention-kernel", default=None, choices=["auto", "amx", "avx2", "torch"],
                    help="prefill attention: auto (the native kernel for the dtype where it applies: amx for "
                         "bfloat16, avx2 for float32), amx / avx2 (required), torch "
@@ -133,7 +134,8 @@ def run(args) -> int:
                             check_ratios=tuple(float(x) for x in args.check_ratios.split(",") if x.strip()),
                             deviation=args.deviation)
     model_kwargs = {"attention_kernel": args.attention_kernel} if args.attention_kernel else {}
-    cfg = EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, **model_kwargs),
+    cfg = EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                         num_threads=args.threads, **model_kwargs),
                        blend=blend_cfg)
     examples = load_musique(args.data or DEFAULT_MUSIQUE, limit=args.offset + args.examples)
     if len(examples) <= args.offset:
@@ -178,7 +180,8 @@ def run(args) -> int:
     progress.close()
     result = {
         "bench": "engine", "model": engine.model_id, "model_dir": str(engine.loaded.model_dir),
-        "dtype": cfg.model.dtype, "attention_kernel": engine.attention_kernel,
+        "dtype": cfg.model.dtype, "device": cfg.model.device, "device_name": _device_name(cfg.model.device),
+        "attention_kernel": engine.attention_kernel,
         "examples": num_run, "offset": args.offset, "check_layers": list(blend_cfg.check_layers),
         "check_ratios": list(blend_cfg.check_ratios), "deviation": args.deviation, "selections": selections,
         "max_tokens": args.max_tokens,
@@ -186,7 +189,8 @@ def run(args) -> int:
         "prompt_tokens_median": statistics.median(prompt_lens), "prompt_tokens": prompt_lens,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "modes": [mr.summary(runs[0]) for mr in runs],
     }
-    return _publish(result, args, f"bench/results/engine-{_slug(engine.model_id)}-{cfg.model.dtype}.json")
+    where = "" if cfg.model.device == "cpu" else "-cuda"
+    return _publish(result, args, f"bench/results/engine-{_slug(engine.model_id)}-{cfg.model.dtype}{where}.json")
 
 
 def _publish(result: dict, args, default_out: str) -> int:
@@ -209,10 +213,10 @@ def _publish(result: dict, args, default_out: str) -> int:
     return 0
 
 
-POOL_SAME = ("model", "dtype", "attention_kernel", "check_layers", "check_ratios", "deviation", "selections",
+POOL_SAME = ("model", "dtype", "device", "attention_kernel", "check_layers", "check_ratios", "deviation", "selections",
              "max_tokens", "seed", "data")
 # what files written before these keys were recorded used
-POOL_DEFAULTS = {"seed": 0, "data": None, "selections": ["deviation"]}
+POOL_DEFAULTS = {"seed": 0, "data": None, "selections": ["deviation"], "device": "cpu"}
 
 
 def _setting(result: dict, key: str):
@@ -242,7 +246,7 @@ def pool_results(paths: list[str]) -> dict:
         for mr, row in zip(runs, part["modes"]):
             mr.extend(row)
     prompt_lens = [n for _, part in parts for n in part.get("prompt_tokens", [])]
-    pooled = {k: _setting(first, k) for k in ("bench", "model", "model_dir", *POOL_SAME, "threads")}
+    pooled = {k: _setting(first, k) for k in ("bench", "model", "model_dir", *POOL_SAME, "threads", "device_name")}
     pooled.update({
         "examples": sum(part["examples"] for _, part in parts), "offset": first.get("offset", 0),
         "pooled_from": [path for path, _ in parts],
@@ -302,8 +306,9 @@ def _answer_hint() -> str:
 
 
 def render_table(result: dict) -> str:
+    where = result.get("device_name") or result.get("device", "cpu")
     lines = [f"### bench engine: {result['model']} ({result['dtype']}, {result.get('attention_kernel', 'torch')} "
-             f"attention), {result['examples']} MuSiQue examples, check layers {result['check_layers']}",
+             f"attention, {where}), {result['examples']} MuSiQue examples, check layers {result['check_layers']}",
              "", "| mode | median TTFT (ms) | speedup vs full | paired speedup | F1 | first-token agreement | "
              "first-token KL vs full | Rouge-L vs full |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["modes"]:
@@ -348,6 +353,20 @@ def _blend_name(ratio: float, selection: str) -> str:
 
 def _num(x, fmt: str = ".4f") -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _device_name(device: str) -> str:
+    """The accelerator's name (e.g. "NVIDIA H200"), or the CPU's model name."""
+    import platform
+
+    import torch
+
+    if device != "cpu":
+        return torch.cuda.get_device_name(torch.device(device))
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return platform.processor()
 
 
 def _threads() -> int:

@@ -124,7 +124,8 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
     has_stored = bool(plan.stored_mask.any())
     checks = dict(zip(plan.check_layers, plan.check_keep))
     last_layer = ops.num_layers - 1
-    h = _pad_rows(ops.embed(plan.token_ids[active]))  # [A + pad, D]; rows past A are zeros, never read
+    token_ids = plan.token_ids.to(ops.device)  # indexed by active rows, which live on the model's device
+    h = _pad_rows(ops.embed(token_ids[active]))  # [A + pad, D]; rows past A are zeros, never read
     recomputed = active[plan.is_stored(active)].cpu()  # narrowed at check layers
     recorder = QueryAttentionRecorder(ops, T) if plan.record_query_attention else None
     for layer in range(ops.num_layers):
@@ -270,8 +271,11 @@ class RowBlock:
 
     @property
     def mask(self) -> torch.Tensor:
-        """The full [len(rows), num_keys] bool mask (reference path and tests)."""
-        return causal_mask(self.positions, self.num_keys)
+        """The full [len(rows), num_keys] bool mask (the device path and tests). Built once per block,
+        reused by every layer."""
+        if "full" not in self._masks:
+            self._masks["full"] = causal_mask(self.positions, self.num_keys)
+        return self._masks["full"]
 
     def float_tail_mask(self, repeat: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive tail mask with each row repeated ``repeat`` times in a row ([S*repeat, n]), for

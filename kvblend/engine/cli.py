@@ -16,6 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="", help="HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto (default): bfloat16 where this CPU has native bf16 (AMX / AVX-512 BF16), else float32")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--mode", default="blend", choices=["full", "prefix", "reuse", "blend"])
     p.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio in [0, 1]")
     p.add_argument("--selection", default=None, choices=SELECTION_KINDS,
@@ -47,7 +48,7 @@ def run(args) -> int:
     docs = list(args.doc) + (_read_docs(args.docs_file) if args.docs_file else [])
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               seed=args.seed)
-    engine = create_engine(EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype)))
+    engine = create_engine(EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device)))
     segs = engine.segments(docs, args.question, instruction=args.instruction)
     if args.mode in ("reuse", "blend"):
         engine.precompute(segs.chunk_ids)  # a one-shot run has an empty store: fill it first, untimed

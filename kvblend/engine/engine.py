@@ -300,7 +300,7 @@ class Engine:
         if 0 < num_keep < candidates.numel():  # else nothing to rank: recompute all candidates or none
             reuse = replace(plan, active_rows=always, check_layers=(), check_keep=(), record_query_attention=True)
             received = run_prefill(self.ops, reuse, cache).query_attention  # [T]
-            chosen = candidates[select_top_tokens(received[candidates], num_keep)]
+            chosen = candidates[select_top_tokens(received[candidates], num_keep).cpu()]  # plan rows stay on the CPU
         else:
             chosen = candidates[:num_keep]
         return replace(plan, active_rows=torch.unique(torch.cat([always, chosen])), check_layers=(), check_keep=())

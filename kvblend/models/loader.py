@@ -29,8 +29,9 @@ EMBEDDED_MODEL_ID = "smollm2-135m-instruct"
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-class ModelLoadError(RuntimeError):
-    """A model reference that cannot be resolved or an architecture kvblend does not run."""
+class ModelLoadError(ValueError):
+    """A model reference that cannot be resolved, an architecture kvblend does not run, or a device that is
+    not there. A ValueError, so the CLI prints it as one line."""
 
 
 @dataclass
@@ -126,9 +127,22 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
     return out_dir
 
 
+def _check_device(device: str) -> None:
+    """Fail before any weights load when the device is not there (a CPU-only torch build, no GPU)."""
+    if device == "cpu":
+        return
+    if not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} asked for, but CUDA is not available to this PyTorch "
+                             f"({torch.__version__}); use --device cpu")
+    index = torch.device(device).index or 0
+    if index >= torch.cuda.device_count():
+        raise ModelLoadError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
 def load_model(cfg: ModelConfig) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    _check_device(cfg.device)
     model_dir = resolve_model_dir(cfg)
     hf_config = AutoConfig.from_pretrained(model_dir)
     if hf_config.model_type not in SUPPORTED_ARCHITECTURES:

@@ -16,6 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-id", help="id clients send as `model` (default: the engine's id)")
     p.add_argument("--dtype", help="auto | bfloat16 | float32 | float16 (auto: bfloat16 where native, else float32)")
     p.add_argument("--threads", type=int, help="torch threads for the engine (0: torch default)")
+    p.add_argument("--device", help="cpu (default), cuda or cuda:N")
     p.add_argument("--mode", choices=["full", "prefix", "reuse", "blend"], help="default prefill mode")
     p.add_argument("--recompute-ratio", type=float, help="default blend recompute ratio in [0, 1]")
     p.add_argument("--api-key", action="append", default=None,
@@ -28,8 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _model_override(args: argparse.Namespace, base: list | None) -> list[dict] | None:
     """--model/--model-id/--dtype/... describe a single model, replacing the config's list."""
-    fields = {"model": args.model, "id": args.model_id, "dtype": args.dtype, "num_threads": args.threads,
-              "mode": args.mode, "recompute_ratio": args.recompute_ratio}
+    fields = {"model": args.model, "id": args.model_id, "dtype": args.dtype, "device": args.device,
+              "num_threads": args.threads, "mode": args.mode, "recompute_ratio": args.recompute_ratio}
     fields = {k: v for k, v in fields.items() if v is not None}
     if not fields:
         return None

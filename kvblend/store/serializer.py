@@ -93,8 +93,9 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def _raw(t: torch.Tensor) -> memoryview:
-    """Zero-copy bytes of a contiguous CPU tensor (bf16 has no numpy dtype, so go through uint8)."""
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    """Bytes of ``t``: zero-copy for a contiguous CPU tensor, one transfer for a device tensor (bf16 has
+    no numpy dtype, so go through uint8)."""
+    return memoryview(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def serialize_parts(key: str, kv: ChunkKV) -> list[memoryview | bytes]:

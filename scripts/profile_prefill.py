@@ -1,0 +1,118 @@
+"""Where a prefill's time goes: median TTFT per mode, then one torch.profiler table per mode (CPU or CUDA).
+
+    .venv/bin/python scripts/profile_prefill.py [--model DIR|GGUF] [--device cuda] [--dtype bfloat16]
+        [--modes full,reuse,blend@0.15] [--example 0] [--repeats 5] [--rows 15] [--variants gqa,expand]
+
+--random-weights DIR builds a random-weight model from DIR's config.json and tokenizer files (timing does not
+depend on the weights, so a machine without the real weights can still be profiled). --variants compares
+ways of calling PyTorch's attention in one run: "gqa" (the engine's: K/V heads shared through enable_gqa)
+and "expand" (K/V repeated to every query head first, which some SDPA backends need to pick a fused kernel).
+Every request recomputes (no chained blended-prefix entries), so repeats measure the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvblend.bench.data import DEFAULT_INSTRUCTION, DEFAULT_MUSIQUE, load_musique  # noqa: E402
+from kvblend.config import BlendConfig, EngineConfig, ModelConfig  # noqa: E402
+from kvblend.engine.engine import create_engine  # noqa: E402
+from kvblend.engine.request import GenerationRequest, SamplingParams  # noqa: E402
+from kvblend.models.transformer import TransformerOps  # noqa: E402
+
+
+def random_weights_dir(config_dir: Path, dtype: torch.dtype) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(tempfile.mkdtemp(prefix="kvblend-random-"))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir)).to(dtype).save_pretrained(out)
+    for f in config_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def expanded_attend(self, q, k, v, mask, causal=True):
+    """TransformerOps.attend with K/V repeated to every query head (no enable_gqa)."""
+    rep = self.num_heads // self.num_kv_heads
+    k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    kwargs = {"is_causal": causal} if mask is None else {"attn_mask": mask}
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=self.scaling, **kwargs)
+    return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def parse_mode(spec: str) -> tuple[str, float]:
+    mode, _, ratio = spec.partition("@")
+    return mode, float(ratio or 0.15)
+
+
+def time_mode(engine, segs, spec: str, repeats: int) -> list[float]:
+    mode, ratio = parse_mode(spec)
+    request = lambda: GenerationRequest(segs, SamplingParams(max_tokens=1), mode=mode, recompute_ratio=ratio)
+    for _ in range(2):  # warm-up: kernels chosen, buffers pooled
+        engine.run(request())
+    return [engine.run(request()).stats.ttft_ms for _ in range(repeats)]
+
+
+def profile_mode(engine, segs, spec: str, device: str, rows: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    mode, ratio = parse_mode(spec)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
+    with profile(activities=activities) as prof:
+        engine.run(GenerationRequest(segs, SamplingParams(max_tokens=1), mode=mode, recompute_ratio=ratio))
+    key = "self_cuda_time_total" if device != "cpu" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="", help="HF dir or .gguf (default: the embedded model)")
+    p.add_argument("--random-weights", default=None, metavar="DIR", help="config + tokenizer dir; random weights")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--modes", default="full,reuse,blend@0.15")
+    p.add_argument("--example", type=int, default=0, help="MuSiQue example index")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rows", type=int, default=15, help="profiler table rows (0: no table)")
+    p.add_argument("--variants", default="gqa", help="comma-separated: gqa, expand")
+    args = p.parse_args()
+    model = args.model
+    cfg = ModelConfig(model=model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    if args.random_weights:
+        cfg.model = str(random_weights_dir(Path(args.random_weights), getattr(torch, cfg.dtype)))
+    engine = create_engine(EngineConfig(model=cfg, blend=BlendConfig(store_blended_prefix=False)))
+    ex = load_musique(DEFAULT_MUSIQUE, limit=args.example + 1)[args.example]
+    segs = engine.segments(list(reversed(ex.passages)), f"Question: {ex.question}\nAnswer within 5 words.",
+                           instruction=DEFAULT_INSTRUCTION + "\n\n")
+    engine.precompute(segs.chunk_ids)
+    print(f"{engine.model_id} {cfg.dtype} on {args.device} ({torch.cuda.get_device_name() if args.device != 'cpu' else 'cpu'}), "
+          f"attention kernel {engine.attention_kernel}, {segs.num_tokens} prompt tokens, {torch.get_num_threads()} threads")
+    original = TransformerOps.attend
+    for variant in args.variants.split(","):
+        TransformerOps.attend = expanded_attend if variant == "expand" else original
+        for spec in args.modes.split(","):
+            ttft = time_mode(engine, segs, spec, args.repeats)
+            print(f"[{variant}] {spec}: median TTFT {statistics.median(ttft):.1f} ms (min {min(ttft):.1f}, n={len(ttft)})",
+                  flush=True)
+        if args.rows:
+            for spec in args.modes.split(","):
+                print(f"\n--- [{variant}] {spec} ---\n{profile_mode(engine, segs, spec, args.device, args.rows)}", flush=True)
+    TransformerOps.attend = original
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
