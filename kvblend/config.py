@@ -17,9 +17,10 @@ DEVIATION_KINDS = ("v", "k", "kv")
 # How a check layer picks the chunk tokens to keep recomputing (kvblend/blend/selection.py).
 SELECTION_KINDS = ("deviation", "query", "lookahead")
 DTYPES = ("auto", "bfloat16", "float32", "float16")
-# CPU features that make bf16 matmuls native (AMX tiles, or AVX-512 bf16 dot products). Without them
-# oneDNN emulates bf16 and it runs several times slower than fp32 (measured 7.6x on an AVX2-only EPYC).
-NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+# CPU features that make bf16 prefill pay: AMX tiles (and the amx attention kernel). Without any native bf16
+# oneDNN emulates it, several times slower than fp32 (measured 7.6x on an AVX2-only EPYC). AVX-512 BF16 alone
+# (Zen 4) is native but no faster here: full prefill 14.8 s bf16 vs 15.2 s fp32, blend@0.15 3.35 s vs 3.07 s.
+NATIVE_BF16_CPU_FLAGS = ("amx_bf16",)
 # Prefill attention: "auto" uses the native kernel (kvblend/kernels) for the engine's dtype where it applies
 # (head_dim 64 on the CPU: bf16 with AMX, fp32 with AVX2 + FMA) and PyTorch's kernels elsewhere; "amx" and
 # "avx2" require that kernel; "torch" never uses a native one.
@@ -53,7 +54,7 @@ def cpu_flags() -> set[str]:
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
     """"auto" -> the fastest exact-enough dtype here: bfloat16 on CUDA and on CPUs with native bf16
-    (AMX or AVX-512 BF16), float32 on other CPUs. Any other value is returned as is."""
+    (AMX), float32 on other CPUs. Any other value is returned as is."""
     if dtype != "auto":
         return dtype
     if device.startswith("cuda"):
@@ -70,7 +71,7 @@ def default_attention_kernel() -> str:
 class ModelConfig:
     # A local HF dir (safetensors), a .gguf file, or "" for the embedded SmolLM2-135M-Instruct.
     model: str = ""
-    # "auto": bfloat16 where it is native (CUDA, AMX / AVX-512 BF16 CPUs), else float32; resolved here,
+    # "auto": bfloat16 where it pays (CUDA, AMX CPUs), else float32; resolved here,
     # so everything downstream sees a concrete dtype.
     dtype: str = "auto"
     device: str = "cpu"

@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, help="MuSiQue JSON (default ../shared/data/musique_dev.json)")
     p.add_argument("--model", default="", help="HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="auto (default): bfloat16 where this CPU has native bf16 (AMX / AVX-512 BF16), else float32")
+                   help="auto (default): bfloat16 on CUDA and AMX CPUs, else float32")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--attention-kernel", default=None, choices=["auto", "amx", "avx2", "torch"],
