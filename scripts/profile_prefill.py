@@ -89,8 +89,7 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=15, help="profiler table rows (0: no table)")
     p.add_argument("--variants", default="gqa", help="comma-separated: gqa, expand")
     args = p.parse_args()
-    model = args.model
-    cfg = ModelConfig(model=model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    cfg = ModelConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
     if args.random_weights:
         cfg.model = str(random_weights_dir(Path(args.random_weights), getattr(torch, cfg.dtype)))
     engine = create_engine(EngineConfig(model=cfg, blend=BlendConfig(store_blended_prefix=False)))
