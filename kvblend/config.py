@@ -42,14 +42,24 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvblend"
 
 
-def cpu_flags() -> set[str]:
-    """Feature flags of this CPU from /proc/cpuinfo (empty where it cannot be read)."""
+def _cpuinfo_field(name: str) -> str:
+    """The first ``name`` line's value in /proc/cpuinfo ("" where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
-    line = next((l for l in text.splitlines() if l.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+        return ""
+    line = next((l for l in text.splitlines() if l.startswith(name)), "")
+    return line.partition(":")[2].strip()
+
+
+def cpu_flags() -> set[str]:
+    """Feature flags of this CPU from /proc/cpuinfo (empty where it cannot be read)."""
+    return set(_cpuinfo_field("flags").split())
+
+
+def cpu_model_name() -> str:
+    """This CPU's model name from /proc/cpuinfo ("" where it cannot be read)."""
+    return _cpuinfo_field("model name")
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:

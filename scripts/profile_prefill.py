@@ -1,7 +1,7 @@
 """Where a prefill's time goes: median TTFT per mode, then one torch.profiler table per mode (CPU or CUDA).
 
     .venv/bin/python scripts/profile_prefill.py [--model DIR|GGUF] [--device cuda] [--dtype bfloat16]
-        [--modes full,reuse,blend@0.15] [--example 0] [--repeats 5] [--rows 15] [--variants gqa,expand]
+        [--modes full,reuse,blend@0.15,blend@0.15/lookahead] [--example 0] [--repeats 5] [--rows 15] [--variants gqa,expand]
 
 --random-weights DIR builds a random-weight model from DIR's config.json and tokenizer files (timing does not
 depend on the weights, so a machine without the real weights can still be profiled). --variants compares
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvblend.bench.data import DEFAULT_INSTRUCTION, DEFAULT_MUSIQUE, load_musique  # noqa: E402
+from kvblend.client.stream import ModeSpec, parse_mode_spec  # noqa: E402
 from kvblend.config import BlendConfig, EngineConfig, ModelConfig  # noqa: E402
 from kvblend.engine.engine import create_engine  # noqa: E402
 from kvblend.engine.request import GenerationRequest, SamplingParams  # noqa: E402
@@ -52,26 +53,24 @@ def expanded_attend(self, q, k, v, mask, causal=True):
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
 
-def parse_mode(spec: str) -> tuple[str, float]:
-    mode, _, ratio = spec.partition("@")
-    return mode, float(ratio or 0.15)
+def one_token_request(segs, spec: ModeSpec) -> GenerationRequest:
+    """``spec`` as `eval` names modes (blend@0.15/lookahead); a bare blend takes the engine's ratio."""
+    return GenerationRequest(segs, SamplingParams(max_tokens=1), mode=spec.mode, recompute_ratio=spec.ratio,
+                             selection=spec.selection)
 
 
-def time_mode(engine, segs, spec: str, repeats: int) -> list[float]:
-    mode, ratio = parse_mode(spec)
-    request = lambda: GenerationRequest(segs, SamplingParams(max_tokens=1), mode=mode, recompute_ratio=ratio)
+def time_mode(engine, segs, spec: ModeSpec, repeats: int) -> list[float]:
     for _ in range(2):  # warm-up: kernels chosen, buffers pooled
-        engine.run(request())
-    return [engine.run(request()).stats.ttft_ms for _ in range(repeats)]
+        engine.run(one_token_request(segs, spec))
+    return [engine.run(one_token_request(segs, spec)).stats.ttft_ms for _ in range(repeats)]
 
 
-def profile_mode(engine, segs, spec: str, device: str, rows: int) -> str:
+def profile_mode(engine, segs, spec: ModeSpec, device: str, rows: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    mode, ratio = parse_mode(spec)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
     with profile(activities=activities) as prof:
-        engine.run(GenerationRequest(segs, SamplingParams(max_tokens=1), mode=mode, recompute_ratio=ratio))
+        engine.run(one_token_request(segs, spec))
     key = "self_cuda_time_total" if device != "cpu" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=rows)
 
@@ -99,16 +98,18 @@ def main() -> int:
     engine.precompute(segs.chunk_ids)
     print(f"{engine.model_id} {cfg.dtype} on {args.device} ({torch.cuda.get_device_name() if args.device != 'cpu' else 'cpu'}), "
           f"attention kernel {engine.attention_kernel}, {segs.num_tokens} prompt tokens, {torch.get_num_threads()} threads")
+    specs = [parse_mode_spec(text) for text in args.modes.split(",")]
     original = TransformerOps.attend
     for variant in args.variants.split(","):
         TransformerOps.attend = expanded_attend if variant == "expand" else original
-        for spec in args.modes.split(","):
+        for spec in specs:
             ttft = time_mode(engine, segs, spec, args.repeats)
-            print(f"[{variant}] {spec}: median TTFT {statistics.median(ttft):.1f} ms (min {min(ttft):.1f}, n={len(ttft)})",
-                  flush=True)
+            print(f"[{variant}] {spec.label}: median TTFT {statistics.median(ttft):.1f} ms (min {min(ttft):.1f}, "
+                  f"n={len(ttft)})", flush=True)
         if args.rows:
-            for spec in args.modes.split(","):
-                print(f"\n--- [{variant}] {spec} ---\n{profile_mode(engine, segs, spec, args.device, args.rows)}", flush=True)
+            for spec in specs:
+                print(f"\n--- [{variant}] {spec.label} ---\n{profile_mode(engine, segs, spec, args.device, args.rows)}",
+                      flush=True)
     TransformerOps.attend = original
     return 0
 

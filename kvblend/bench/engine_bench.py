@@ -361,12 +361,11 @@ def _device_name(device: str) -> str:
 
     import torch
 
+    from kvblend.config import cpu_model_name
+
     if device != "cpu":
         return torch.cuda.get_device_name(torch.device(device))
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.partition(":")[2].strip()
-    return platform.processor()
+    return cpu_model_name() or platform.processor()
 
 
 def _threads() -> int:
