@@ -121,8 +121,10 @@ def plot_engine(result: dict, path: Path) -> None:
             right.plot([p["ratio"] for p in blend], [p[metric] for p in blend], style, color=color,
                        label=f"{_blend_label(sel)}: {label}")
         for mode, marker in (("reuse", "x"), ("full", "s")):
-            right.plot([p["ratio"] for p in pts if p["mode"] == mode], [p[metric] for p in pts if p["mode"] == mode],
-                       marker, color=color, markersize=8, label=f"{mode}: {label}")
+            at = [p for p in pts if p["mode"] == mode]
+            if at:  # a mode the run left out gets no legend entry
+                right.plot([p["ratio"] for p in at], [p[metric] for p in at], marker, color=color, markersize=8,
+                           label=f"{mode}: {label}")
     right.axhline(0.9, color="grey", linestyle=":", linewidth=1)
     right.set_xlabel("recompute ratio")
     right.set_ylabel("vs full prefill")
