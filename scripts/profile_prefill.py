@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvblend.bench.data import DEFAULT_INSTRUCTION, DEFAULT_MUSIQUE, load_musique  # noqa: E402
+from kvblend.bench.data import DEFAULT_MUSIQUE, load_musique  # noqa: E402
+from kvblend.bench.engine_bench import bench_segments  # noqa: E402
 from kvblend.client.stream import ModeSpec, parse_mode_spec  # noqa: E402
 from kvblend.config import BlendConfig, EngineConfig, ModelConfig  # noqa: E402
 from kvblend.engine.engine import create_engine  # noqa: E402
@@ -93,8 +94,7 @@ def main() -> int:
         cfg.model = str(random_weights_dir(Path(args.random_weights), getattr(torch, cfg.dtype)))
     engine = create_engine(EngineConfig(model=cfg, blend=BlendConfig(store_blended_prefix=False)))
     ex = load_musique(DEFAULT_MUSIQUE, limit=args.example + 1)[args.example]
-    segs = engine.segments(list(reversed(ex.passages)), f"Question: {ex.question}\nAnswer within 5 words.",
-                           instruction=DEFAULT_INSTRUCTION + "\n\n")
+    segs = bench_segments(engine, list(reversed(ex.passages)), ex.question)
     engine.precompute(segs.chunk_ids)
     print(f"{engine.model_id} {cfg.dtype} on {args.device} ({torch.cuda.get_device_name() if args.device != 'cpu' else 'cpu'}), "
           f"attention kernel {engine.attention_kernel}, {segs.num_tokens} prompt tokens, {torch.get_num_threads()} threads")

@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvblend.bench.data import ANSWER_SUFFIX, DEFAULT_INSTRUCTION, DEFAULT_MUSIQUE, load_musique  # noqa: E402
-from kvblend.bench.engine_bench import first_token_kl  # noqa: E402
+from kvblend.bench.data import DEFAULT_MUSIQUE, load_musique  # noqa: E402
+from kvblend.bench.engine_bench import bench_segments, first_token_kl  # noqa: E402
 from kvblend.blend.blender import KVCache, PrefillPlan, run_prefill  # noqa: E402
 from kvblend.blend.selection import num_to_keep, select_top_tokens  # noqa: E402
 from kvblend.config import EngineConfig, ModelConfig  # noqa: E402
@@ -93,8 +93,7 @@ class Prompt:
 def variant_logits(p: Prompt, variant: str, num_keep: int, rng: torch.Generator) -> torch.Tensor:
     rows = p.chunk_rows
     if variant == "deviation":
-        active = torch.unique(torch.cat([rows, p.query_rows]))
-        return p.blend(active, check_layers=(1,), check_keep=(num_keep,))
+        return p.blend(rows, check_layers=(1,), check_keep=(num_keep,))  # every chunk row until the check
     if variant == "random":
         return p.blend(rows[torch.randperm(rows.numel(), generator=rng)[:num_keep]])
     score = {"lookahead": lambda: p.query_attention(exact=False), "oracle-attn": lambda: p.query_attention(exact=True),
@@ -125,8 +124,7 @@ def main() -> int:
             shuffled = list(ex.passages)
             rng.shuffle(shuffled)  # the order `bench engine --seed 0` gives this example
             engine.store = MemoryStore()  # bounded memory: each example starts with an empty store
-            segs = engine.segments(shuffled, f"Question: {ex.question}\n{ANSWER_SUFFIX}",
-                                   instruction=DEFAULT_INSTRUCTION + "\n\n")
+            segs = bench_segments(engine, shuffled, ex.question)
             p = Prompt(engine, segs)
             for r in ratios:
                 num_keep = num_to_keep(r, p.chunk_rows.numel())

@@ -112,7 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from kvblend.bench.data import DEFAULT_INSTRUCTION, DEFAULT_MUSIQUE, load_musique
+    from kvblend.bench.data import DEFAULT_MUSIQUE, load_musique
     from kvblend.bench.metrics import clean_answer, f1_score, max_over_golds, rouge_l
     from kvblend.config import BlendConfig, EngineConfig, ModelConfig
     from kvblend.engine.engine import create_engine
@@ -156,9 +156,8 @@ def run(args) -> int:
         if index < args.offset:
             continue
         engine.store = MemoryStore()  # bounded memory: each example starts with an empty store
-        question = f"Question: {ex.question}\n{_answer_hint()}"
-        cached_order = engine.segments(ex.passages, question, instruction=DEFAULT_INSTRUCTION + "\n\n")
-        segs = engine.segments(shuffled, question, instruction=DEFAULT_INSTRUCTION + "\n\n")
+        cached_order = bench_segments(engine, ex.passages, ex.question)
+        segs = bench_segments(engine, shuffled, ex.question)
         prompt_lens.append(segs.num_tokens)
         engine.precompute(segs.chunk_ids)  # untimed: chunk KV is computed once, offline
         if "prefix" in modes:  # warm the prefix cache with the passages in their original order
@@ -299,10 +298,12 @@ def first_token_kl(reference_logits, logits) -> float:
     return float((ref.exp() * (ref - other)).sum())
 
 
-def _answer_hint() -> str:
-    from kvblend.bench.data import ANSWER_SUFFIX
+def bench_segments(engine, passages: list[str], question: str):
+    """The bench's prompt (the paper's style): instruction prefix, one chunk per passage, then the question
+    and the 5-word answer hint as the query. Scripts that compare against bench runs build it here too."""
+    from kvblend.bench.data import ANSWER_SUFFIX, DEFAULT_INSTRUCTION
 
-    return ANSWER_SUFFIX
+    return engine.segments(passages, f"Question: {question}\n{ANSWER_SUFFIX}", instruction=DEFAULT_INSTRUCTION + "\n\n")
 
 
 def render_table(result: dict) -> str:
