@@ -166,3 +166,44 @@ def test_attention_kernel_setting():
         create_engine(EngineConfig(model=ModelConfig(dtype="float32", attention_kernel="amx")))
     with pytest.raises(ValueError, match="float32 only"):
         create_engine(EngineConfig(model=ModelConfig(dtype="bfloat16", attention_kernel="avx2")))
+
+
+BROKEN_KERNELS = {
+    # a kernel that dies: the self-check must catch it in its subprocess, not in the caller
+    "crash": "*(volatile int *)0 = 1;",
+    # a kernel that returns wrong numbers (zeros)
+    "zeros": "for (long r = 0; r < num_rows; r++) memset(out + r * out_row_stride, 0, "
+             "(size_t)num_kv_heads * rep * head_dim * 4);",
+}
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN_KERNELS))
+def test_a_build_failing_its_self_check_is_never_loaded(broken, tmp_path):
+    """A miscompiled kernel (gcc 12 once dropped the AMX tile config's stores: every prefill died with
+    SIGSEGV) is caught by the build's self-check: no library is put in place, the reason is recorded once,
+    and loading says why instead of crashing."""
+    import shutil
+
+    from kvblend import kernels
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    spec = KERNELS[torch.float32]
+    if cc is None or not set(spec.cpu_flags) <= kernels.cpu_flags():
+        pytest.skip("needs gcc and an AVX2 CPU")
+    source = tmp_path / "broken.c"
+    source.write_text(
+        "#include <string.h>\n"
+        "long kvb_rows_attention_scratch_bytes(long num_keys, int num_kv_heads) { return 64; }\n"
+        "int kvb_rows_attention(const void *q, long qs, const void *k, long ks, const void *v, long vs,\n"
+        "    void *k_rot, long krs, const float *c, const float *s, const long *pos, long num_rows, long num_keys,\n"
+        "    int num_kv_heads, int rep, int head_dim, float scale, float *out, long out_row_stride,\n"
+        "    void *scratch, long scratch_bytes, int num_threads) {\n"
+        f"    {BROKEN_KERNELS[broken]}\n    return 0;\n}}\n")
+    path = tmp_path / "kernels" / "broken.so"
+    failed = path.with_suffix(".failed")
+    with pytest.raises(KernelUnavailable, match="failed its self-check") as info:
+        kernels._build_checked(spec, cc, source, path, failed)
+    assert ("SIGSEGV" in str(info.value)) == (broken == "crash")
+    assert "differs from the fp32 reference" in str(info.value) or broken == "crash"
+    assert not path.exists() and failed.read_text().strip() == str(info.value)
+    assert not list(path.parent.glob("*.tmp"))

@@ -21,7 +21,9 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -169,24 +171,60 @@ def _build_and_load(spec: KernelSpec, out_dir: Path) -> RowsAttention:
     source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
     digest = hashlib.sha256(source + " ".join(spec.cflags).encode() + cc.encode()).hexdigest()[:16]
     path = out_dir / f"{source_path.stem}-{digest}.so"
+    failed = path.with_suffix(".failed")  # a build that failed its self-check is not retried
+    if failed.is_file():
+        raise KernelUnavailable(failed.read_text().strip())
     if not path.is_file():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
-        os.close(fd)
-        try:
-            proc = subprocess.run([cc, *spec.cflags, str(source_path), "-o", tmp, "-lm"], capture_output=True,
-                                  text=True)
-            if proc.returncode != 0:
-                raise KernelUnavailable(f"building the {spec.name} kernel failed: {proc.stderr.strip()[-500:]}")
-            os.replace(tmp, path)  # atomic: concurrent builders race harmlessly
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        _build_checked(spec, cc, source_path, path, failed)
+    return open_library(path, spec)
+
+
+def _build_checked(spec: KernelSpec, cc: str, source_path: Path, path: Path, failed: Path) -> None:
+    """Compile into a temp file, self-check it in a subprocess, then move it into place atomically
+    (concurrent builders race harmlessly). A failed self-check is recorded in ``failed``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *spec.cflags, str(source_path), "-o", tmp, "-lm"], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise KernelUnavailable(f"building the {spec.name} kernel failed: {proc.stderr.strip()[-500:]}")
+        problem = _self_check(tmp, spec)
+        if problem is not None:
+            reason = f"the {spec.name} kernel built by {cc} failed its self-check: {problem}"
+            failed.write_text(reason + "\n")
+            raise KernelUnavailable(reason)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _self_check(lib_path: str, spec: KernelSpec) -> str | None:
+    """Run kvblend.kernels.selfcheck on a new build in a subprocess: a miscompiled kernel may crash, and
+    that must not take this process down. None when it passed, else what went wrong."""
+    package_root = str(Path(__file__).resolve().parents[2])  # importable even when not pip-installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kvblend.kernels.selfcheck", lib_path, spec.name],
+                              capture_output=True, text=True, timeout=300, env=env)
+    except subprocess.TimeoutExpired:
+        return "it did not finish within 300 s"
+    if proc.returncode == 0:
+        return None
+    if proc.returncode < 0:
+        return f"it crashed ({signal.Signals(-proc.returncode).name})"
+    return proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit status {proc.returncode}"
+
+
+def open_library(path: Path, spec: KernelSpec) -> RowsAttention:
+    """Load a built kernel and set up its CPU state (AMX asks the OS for tile state)."""
     lib = ctypes.CDLL(str(path))
     _declare(lib, spec.init_symbol)
     if spec.init_symbol is not None and getattr(lib, spec.init_symbol)() != 0:
         raise KernelUnavailable(f"the OS refused the {spec.name} kernel's CPU state to this process (arch_prctl)")
-    return RowsAttention(lib, path, spec)
+    return RowsAttention(lib, Path(path), spec)
 
 
 def _declare(lib: ctypes.CDLL, init_symbol: str | None) -> None:

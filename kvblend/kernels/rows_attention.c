@@ -39,6 +39,13 @@ typedef uint16_t bf16;
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
+/* gcc 12's AMX intrinsics hide from the optimiser which memory they read: _tile_loadd declares none and
+ * _tile_loadconfig 8 bytes. At -O3 it then dropped the tile config's colsb/rows stores (ldtilecfg faulted:
+ * SIGSEGV), and it may sink stores to q/p buffers past the loads that read them. These declare it. */
+#define tile_loadd(t, base, stride)                                                                   \
+    __asm__ volatile("{tileloadd\t(%0,%1,1), %%tmm" #t "|tileloadd\t%%tmm" #t ", [%0+%1*1]}"          \
+                     : : "r"((const void *)(base)), "r"((long)(stride)) : "memory")
+
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -59,7 +66,7 @@ static void load_tile_config(void) {
         cfg.rows[t] = ROWS;
         cfg.colsb[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg)); /* not _tile_loadconfig: see tile_loadd */
 }
 
 typedef struct {
@@ -169,10 +176,10 @@ static inline void store_o(float *obuf) {
 }
 
 static inline void load_o(const float *obuf) {
-    _tile_loadd(4, obuf, HEAD_DIM * 4);
-    _tile_loadd(5, obuf + 16, HEAD_DIM * 4);
-    _tile_loadd(6, obuf + 32, HEAD_DIM * 4);
-    _tile_loadd(7, obuf + 48, HEAD_DIM * 4);
+    tile_loadd(4, obuf, HEAD_DIM * 4);
+    tile_loadd(5, obuf + 16, HEAD_DIM * 4);
+    tile_loadd(6, obuf + 32, HEAD_DIM * 4);
+    tile_loadd(7, obuf + 48, HEAD_DIM * 4);
 }
 
 static void rescale_o(const float *alpha, float *obuf) {
@@ -199,15 +206,15 @@ static inline void scores(const tile_state *st, const uint32_t *kp, long blk0, i
         const uint32_t *kb = kp + (2 * (blk0 + sb)) * PAIRS * 16;
         _tile_zero(2);
         _tile_zero(3);
-        _tile_loadd(0, st->q, HEAD_DIM * 2);
-        _tile_loadd(1, kb, 64);
+        tile_loadd(0, st->q, HEAD_DIM * 2);
+        tile_loadd(1, kb, 64);
         _tile_dpbf16ps(2, 0, 1);
-        _tile_loadd(1, kb + PAIRS * 16, 64);
+        tile_loadd(1, kb + PAIRS * 16, 64);
         _tile_dpbf16ps(3, 0, 1);
-        _tile_loadd(0, st->q + HALF, HEAD_DIM * 2);
-        _tile_loadd(1, kb + 16 * 16, 64);
+        tile_loadd(0, st->q + HALF, HEAD_DIM * 2);
+        tile_loadd(1, kb + 16 * 16, 64);
         _tile_dpbf16ps(2, 0, 1);
-        _tile_loadd(1, kb + PAIRS * 16 + 16 * 16, 64);
+        tile_loadd(1, kb + PAIRS * 16 + 16 * 16, 64);
         _tile_dpbf16ps(3, 0, 1);
         _tile_stored(2, s + sb * KB, STEP * 4);
         _tile_stored(3, s + sb * KB + 16, STEP * 4);
@@ -218,14 +225,14 @@ static inline void scores(const tile_state *st, const uint32_t *kp, long blk0, i
 static inline void accumulate_pv(const tile_state *st, const bf16 *vp, long blk0, int num_sub) {
     for (int sb = 0; sb < num_sub; sb++) {
         const bf16 *vb = vp + (blk0 + sb) * KB * HEAD_DIM;
-        _tile_loadd(0, st->p + sb * KB, STEP * 2);
-        _tile_loadd(1, vb, HEAD_DIM * 4);
+        tile_loadd(0, st->p + sb * KB, STEP * 2);
+        tile_loadd(1, vb, HEAD_DIM * 4);
         _tile_dpbf16ps(4, 0, 1);
-        _tile_loadd(2, vb + 32, HEAD_DIM * 4);
+        tile_loadd(2, vb + 32, HEAD_DIM * 4);
         _tile_dpbf16ps(5, 0, 2);
-        _tile_loadd(3, vb + 64, HEAD_DIM * 4);
+        tile_loadd(3, vb + 64, HEAD_DIM * 4);
         _tile_dpbf16ps(6, 0, 3);
-        _tile_loadd(1, vb + 96, HEAD_DIM * 4);
+        tile_loadd(1, vb + 96, HEAD_DIM * 4);
         _tile_dpbf16ps(7, 0, 1);
     }
 }

@@ -1,0 +1,68 @@
+"""Self-check of a freshly built kernel, run in a subprocess before the build is put in place.
+
+A miscompiled native kernel does not raise, it kills the process (gcc 12 once dropped the AMX tile
+config's stores at -O3 and every prefill died with SIGSEGV) or returns wrong numbers. So the loader runs
+``python -m kvblend.kernels.selfcheck <lib.so> <kernel name>`` once per build: exit 0 means the library
+attended scattered rows (GQA, RoPE, a partial last tile, 2 threads) like an fp32 PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# Output tolerance per kernel dtype for unit-scale inputs (bf16 probabilities before P V: ~1e-2).
+OUTPUT_ATOL = {torch.bfloat16: 5e-2, torch.float32: 1e-3}
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def check(kernel, num_keys: int = 300, num_rows: int = 37, num_kv_heads: int = 2, rep: int = 3) -> float:
+    """Max abs difference of ``kernel`` (a RowsAttention) from the reference; raises if above tolerance."""
+    gen = torch.Generator().manual_seed(0)
+    d = 64
+    k = torch.randn(num_kv_heads, num_keys, d, generator=gen).to(kernel.dtype)  # [Hkv, T, d]
+    v = torch.randn(num_kv_heads, num_keys, d, generator=gen).to(kernel.dtype)
+    q = torch.randn(num_rows, num_kv_heads * rep, d, generator=gen).to(kernel.dtype)  # [A, Hq, d]
+    positions = torch.randperm(num_keys, generator=gen)[:num_rows].sort().values
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)
+    angles = torch.arange(num_keys).float()[:, None] * inv_freq[None]
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    out = torch.empty(num_rows, num_kv_heads * rep * d, dtype=kernel.dtype)
+    scratch = torch.empty(kernel.scratch_bytes(num_keys, num_kv_heads), dtype=torch.uint8)
+    kernel(q, k, v, torch.empty_like(k), (cos, sin), positions, 1 / math.sqrt(d), out, scratch, 2)
+
+    k_rot = _rotate(k, cos, sin).to(kernel.dtype).float()
+    q_rot = _rotate(q.transpose(0, 1), cos[positions], sin[positions])  # [Hq, A, d]
+    mask = torch.arange(num_keys)[None, :] <= positions[:, None]
+    ref = F.scaled_dot_product_attention(q_rot[None], k_rot[None], v.float()[None], attn_mask=mask,
+                                         enable_gqa=True)[0].transpose(0, 1).reshape(num_rows, -1)
+    diff = (out.float() - ref).abs().max().item()
+    if not diff <= OUTPUT_ATOL[kernel.dtype]:  # also catches NaN
+        raise AssertionError(f"output differs from the fp32 reference by {diff} (tolerance "
+                             f"{OUTPUT_ATOL[kernel.dtype]})")
+    return diff
+
+
+def main(argv: list[str]) -> int:
+    from kvblend.kernels import KERNELS_BY_NAME, KernelUnavailable, open_library
+
+    lib_path, name = Path(argv[0]), argv[1]
+    try:
+        check(open_library(lib_path, KERNELS_BY_NAME[name]))
+    except (AssertionError, KernelUnavailable, ValueError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
