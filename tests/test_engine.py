@@ -524,3 +524,33 @@ def test_auto_dtype_is_bf16_only_where_it_is_native(monkeypatch):
     assert ModelConfig(dtype="float32").dtype == "float32"  # explicit choices are kept
     with pytest.raises(ValueError, match="dtype must be one of"):
         ModelConfig(dtype="int8")
+
+
+@pytest.mark.parametrize("num_rows,max_rows", [(16, 4096), (4096, 4096), (4112, 4096), (6256, 4096), (6256, 2048),
+                                               (20000, 4096), (33, 16)])
+def test_mlp_row_blocks_cover_every_row_once(num_rows, max_rows, monkeypatch):
+    from kvblend.models import transformer
+
+    monkeypatch.setitem(transformer.MLP_MAX_ROWS, torch.float32, max_rows)
+    blocks = transformer.mlp_row_blocks(num_rows, torch.float32)
+    covered = [r for b in blocks for r in range(b.start, b.stop)]
+    assert covered == list(range(num_rows))
+    assert all(b.stop - b.start <= max_rows for b in blocks)
+    assert all((b.stop - b.start) % 16 == 0 for b in blocks[:-1])
+    assert len(blocks) == -(-num_rows // max_rows)  # as few blocks as the limit allows
+
+
+def test_mlp_in_row_blocks_equals_one_call(tmp_path, monkeypatch):
+    """A long prompt's MLP runs in row blocks (faster on the CPU past ~5k rows); rows are independent
+    there, so blocked and whole give the same hidden rows (fp32, within 1e-6) for every layer."""
+    from kvblend.models import transformer
+
+    ops = tiny_engine(tiny_model_dir(tmp_path, "llama")).ops
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(100, ops.config.hidden_size, generator=gen)
+    attn = torch.randn(100, ops.num_heads * ops.head_dim, generator=gen)
+    whole = [ops.finish_layer(i, h, attn) for i in range(ops.num_layers)]
+    monkeypatch.setitem(transformer.MLP_MAX_ROWS, torch.float32, 32)
+    assert len(transformer.mlp_row_blocks(100, torch.float32)) == 4
+    for i in range(ops.num_layers):
+        torch.testing.assert_close(ops.finish_layer(i, h, attn), whole[i], atol=1e-6, rtol=0)
