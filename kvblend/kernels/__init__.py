@@ -190,10 +190,11 @@ def _build_checked(spec: KernelSpec, cc: str, source_path: Path, path: Path, fai
                               text=True)
         if proc.returncode != 0:
             raise KernelUnavailable(f"building the {spec.name} kernel failed: {proc.stderr.strip()[-500:]}")
-        problem = _self_check(tmp, spec)
+        problem, about_the_build = _self_check(tmp, spec)
         if problem is not None:
             reason = f"the {spec.name} kernel built by {cc} failed its self-check: {problem}"
-            failed.write_text(reason + "\n")
+            if about_the_build:  # a crash or wrong numbers: not retried; anything else is, next process
+                failed.write_text(reason + "\n")
             raise KernelUnavailable(reason)
         os.replace(tmp, path)
     finally:
@@ -201,21 +202,25 @@ def _build_checked(spec: KernelSpec, cc: str, source_path: Path, path: Path, fai
             os.unlink(tmp)
 
 
-def _self_check(lib_path: str, spec: KernelSpec) -> str | None:
+def _self_check(lib_path: str, spec: KernelSpec) -> tuple[str | None, bool]:
     """Run kvblend.kernels.selfcheck on a new build in a subprocess: a miscompiled kernel may crash, and
-    that must not take this process down. None when it passed, else what went wrong."""
+    that must not take this process down. Returns (None, False) when it passed, else (what went wrong,
+    whether that is the build's fault: it crashed or gave wrong numbers)."""
+    from kvblend.kernels.selfcheck import EXIT_MISMATCH
+
     package_root = str(Path(__file__).resolve().parents[2])  # importable even when not pip-installed
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     try:
         proc = subprocess.run([sys.executable, "-m", "kvblend.kernels.selfcheck", lib_path, spec.name],
                               capture_output=True, text=True, timeout=300, env=env)
     except subprocess.TimeoutExpired:
-        return "it did not finish within 300 s"
+        return "it did not finish within 300 s", False
     if proc.returncode == 0:
-        return None
+        return None, False
     if proc.returncode < 0:
-        return f"it crashed ({signal.Signals(-proc.returncode).name})"
-    return proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit status {proc.returncode}"
+        return f"it crashed ({signal.Signals(-proc.returncode).name})", True
+    last_line = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit status {proc.returncode}"
+    return last_line, proc.returncode == EXIT_MISMATCH
 
 
 def open_library(path: Path, spec: KernelSpec) -> RowsAttention:
