@@ -20,6 +20,7 @@ from kvblend.config import EngineConfig, ModelConfig
 from kvblend.engine.engine import create_engine
 from kvblend.engine.request import GenerationRequest, SamplingParams
 from kvblend.kernels import KERNELS, KernelUnavailable, load_rows_attention
+from kvblend.kernels.selfcheck import rope_half_tables as _rope_half, rotate as _rotate
 
 # output atol, rotated-key (atol, rtol) per kernel dtype
 TOLERANCES = {torch.bfloat16: (3e-2, (1 / 64, 1 / 128)), torch.float32: (1e-4, (1e-5, 1e-5))}
@@ -31,19 +32,6 @@ def kernel(request, tmp_path_factory):
         return load_rows_attention(tmp_path_factory.mktemp("kvblend-cache"), request.param)
     except KernelUnavailable as e:
         pytest.skip(f"{KERNELS[request.param].name} kernel unavailable here: {e}")
-
-
-def _rope_half(num_positions: int, head_dim: int = 64, base: float = 10000.0):
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    angles = torch.arange(num_positions).float()[:, None] * inv_freq[None]
-    return angles.cos().contiguous(), angles.sin().contiguous()
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF rotate_half RoPE in fp32: x [..., N, d], cos/sin [N, d/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def _reference(q, k, v, positions, rope):

@@ -19,7 +19,15 @@ import torch.nn.functional as F
 OUTPUT_ATOL = {torch.bfloat16: 5e-2, torch.float32: 1e-3}
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_half_tables(num_positions: int, head_dim: int = 64, base: float = 10000.0):
+    """fp32 (cos, sin) [num_positions, head_dim / 2]: the repeated-half tables the kernels rotate with."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.arange(num_positions).float()[:, None] * inv_freq[None]
+    return angles.cos().contiguous(), angles.sin().contiguous()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF rotate_half RoPE in fp32: x [..., N, d], cos/sin [N, d/2]."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -33,15 +41,13 @@ def check(kernel, num_keys: int = 300, num_rows: int = 37, num_kv_heads: int = 2
     v = torch.randn(num_kv_heads, num_keys, d, generator=gen).to(kernel.dtype)
     q = torch.randn(num_rows, num_kv_heads * rep, d, generator=gen).to(kernel.dtype)  # [A, Hq, d]
     positions = torch.randperm(num_keys, generator=gen)[:num_rows].sort().values
-    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)
-    angles = torch.arange(num_keys).float()[:, None] * inv_freq[None]
-    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    cos, sin = rope_half_tables(num_keys, d)
     out = torch.empty(num_rows, num_kv_heads * rep * d, dtype=kernel.dtype)
     scratch = torch.empty(kernel.scratch_bytes(num_keys, num_kv_heads), dtype=torch.uint8)
     kernel(q, k, v, torch.empty_like(k), (cos, sin), positions, 1 / math.sqrt(d), out, scratch, 2)
 
-    k_rot = _rotate(k, cos, sin).to(kernel.dtype).float()
-    q_rot = _rotate(q.transpose(0, 1), cos[positions], sin[positions])  # [Hq, A, d]
+    k_rot = rotate(k, cos, sin).to(kernel.dtype).float()
+    q_rot = rotate(q.transpose(0, 1), cos[positions], sin[positions])  # [Hq, A, d]
     mask = torch.arange(num_keys)[None, :] <= positions[:, None]
     ref = F.scaled_dot_product_attention(q_rot[None], k_rot[None], v.float()[None], attn_mask=mask,
                                          enable_gqa=True)[0].transpose(0, 1).reshape(num_rows, -1)
