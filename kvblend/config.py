@@ -117,6 +117,10 @@ class BlendConfig:
     # "lookahead": the tokens the query attends to most over all layers of a reuse pass run first; they
     # are recomputed from layer 0 (no check layer).
     selection: str = "deviation"
+    # How many layers (from layer 0) lookahead's reuse pass runs and sums the query's attention over;
+    # 0 = every layer. Fewer layers make the pass cheaper and the ranking coarser (README: "Token
+    # selection, measured"); a request may override it.
+    lookahead_layers: int = 0
     # Keep a blend/reuse request's final KV per segment under chained keys, and use such entries: a
     # later request starting with the same segments (same documents, new question) reuses them as is.
     store_blended_prefix: bool = True
@@ -138,12 +142,31 @@ class BlendConfig:
         if self.deviation not in DEVIATION_KINDS:
             raise ValueError(f"deviation must be one of {DEVIATION_KINDS}, got {self.deviation!r}")
         validate_selection(self.selection)
+        validate_lookahead_layers(self.lookahead_layers)
 
 
 def validate_selection(selection: str) -> str:
     if selection not in SELECTION_KINDS:
         raise ValueError(f"unknown token selection {selection!r}; expected one of {', '.join(SELECTION_KINDS)}")
     return selection
+
+
+def validate_lookahead_layers(num_layers: int) -> int:
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
+        raise ValueError(f"lookahead_layers must be an integer >= 0 (0 = every layer), got {num_layers!r}")
+    return num_layers
+
+
+def parse_selection(text: str) -> tuple[str, int | None]:
+    """A selection as benches name it: "deviation", "query", "lookahead", or "lookahead:N" (the reuse pass
+    runs the first N layers) -> (kind, N or None)."""
+    kind, sep, depth = text.partition(":")
+    validate_selection(kind)
+    if not sep:
+        return kind, None
+    if kind != "lookahead" or not depth.isdigit():
+        raise ValueError(f"only lookahead takes a layer count ('lookahead:8'), got {text!r}")
+    return kind, validate_lookahead_layers(int(depth))
 
 
 def validate_mode(mode: str) -> str:

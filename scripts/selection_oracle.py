@@ -7,6 +7,7 @@ Every variant recomputes the same number of chunk rows (``num_to_keep(ratio, chu
 the prefix is exact. Variants:
   deviation      the engine's default: V deviation at check layer 1 (rows narrowed there)
   lookahead      the engine's: query attention summed over a reuse pass, rows recomputed from layer 0
+  lookahead:N    the same over the reuse pass's first N layers only (BlendConfig.lookahead_layers)
   random         uniform random chunk rows, recomputed from layer 0 (the floor)
   oracle-attn    query attention summed over the layers of *full* prefill (what lookahead estimates)
   oracle-dev     K+V deviation of the stored rows from full prefill's, summed over layers (each layer
@@ -32,7 +33,7 @@ from kvblend.bench.data import DEFAULT_MUSIQUE, load_musique  # noqa: E402
 from kvblend.bench.engine_bench import bench_segments, first_token_kl  # noqa: E402
 from kvblend.blend.blender import KVCache, PrefillPlan, run_prefill  # noqa: E402
 from kvblend.blend.selection import num_to_keep, select_top_tokens  # noqa: E402
-from kvblend.config import EngineConfig, ModelConfig  # noqa: E402
+from kvblend.config import EngineConfig, ModelConfig, parse_selection  # noqa: E402
 from kvblend.engine.engine import create_engine  # noqa: E402
 from kvblend.store.memory import MemoryStore  # noqa: E402
 
@@ -73,11 +74,13 @@ class Prompt:
         return self.run(self.stored_k.clone(), self.stored_v.clone(), self.stored_mask, active,
                         **plan_kwargs).last_logits
 
-    def query_attention(self, exact: bool) -> torch.Tensor:
-        """[chunk rows] attention the query gives each chunk row, summed over layers: over full prefill's KV
-        (exact) or over the stored KV (a reuse pass, as lookahead does)."""
+    def query_attention(self, exact: bool, num_layers: int | None = None) -> torch.Tensor:
+        """[chunk rows] attention the query gives each chunk row, summed over layers (the first
+        ``num_layers`` if given): over full prefill's KV (exact) or over the stored KV (a reuse pass, as
+        lookahead does)."""
         k, v = (self.full_k, self.full_v) if exact else (self.stored_k, self.stored_v)
-        out = self.run(k.clone(), v.clone(), self.stored_mask, self.query_rows, record_query_attention=True)
+        out = self.run(k.clone(), v.clone(), self.stored_mask, self.query_rows, record_query_attention=True,
+                       num_layers=num_layers)
         return out.query_attention[self.chunk_rows]
 
     def deviation(self) -> torch.Tensor:
@@ -90,12 +93,22 @@ class Prompt:
         return total
 
 
+def _is_lookahead_depth(variant: str) -> bool:
+    try:
+        return variant.startswith("lookahead:") and parse_selection(variant)[1] is not None
+    except ValueError:
+        return False
+
+
 def variant_logits(p: Prompt, variant: str, num_keep: int, rng: torch.Generator) -> torch.Tensor:
     rows = p.chunk_rows
     if variant == "deviation":
         return p.blend(rows, check_layers=(1,), check_keep=(num_keep,))  # every chunk row until the check
     if variant == "random":
         return p.blend(rows[torch.randperm(rows.numel(), generator=rng)[:num_keep]])
+    if variant.startswith("lookahead:"):
+        depth = min(parse_selection(variant)[1] or p.ops.num_layers, p.ops.num_layers)
+        return p.blend(rows[select_top_tokens(p.query_attention(exact=False, num_layers=depth), num_keep)])
     score = {"lookahead": lambda: p.query_attention(exact=False), "oracle-attn": lambda: p.query_attention(exact=True),
              "oracle-dev": p.deviation}[variant]()
     return p.blend(rows[select_top_tokens(score, num_keep)])
@@ -108,11 +121,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--examples", type=int, default=10)
     ap.add_argument("--ratios", default="0.15")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, from {', '.join(VARIANTS)} and lookahead:N (default: all but lookahead:N)")
     ap.add_argument("--out", default=None, help="JSON of per-example results")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
-    unknown = set(variants) - set(VARIANTS)
+    unknown = {v for v in variants if v not in VARIANTS and not _is_lookahead_depth(v)}
     if unknown:
         raise SystemExit(f"selection_oracle: unknown variant(s) {', '.join(sorted(unknown))}")
     ratios = [float(r) for r in args.ratios.split(",")]

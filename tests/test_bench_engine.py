@@ -96,8 +96,10 @@ def test_bench_engine_rejects_an_unknown_mode(tmp_path):
     assert not (tmp_path / "x.json").exists()
     proc = _bench("--examples", "1", "--selection", "deviation,best", "--out", str(tmp_path / "x.json"))
     assert proc.returncode != 0
-    assert "unknown --selection best (choose from deviation, query, lookahead)" in proc.stderr
+    assert "unknown --selection best (choose from deviation, query, lookahead, or lookahead:N)" in proc.stderr
     assert not (tmp_path / "x.json").exists()
+    proc = _bench("--examples", "1", "--selection", "lookahead:4,deviation:2,lookahead:-1", "--out", str(tmp_path / "x.json"))
+    assert proc.returncode != 0 and "unknown --selection deviation:2, lookahead:-1 (" in proc.stderr
 
 
 def test_bench_engine_rejects_an_offset_past_the_data(tmp_path):

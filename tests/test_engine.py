@@ -46,9 +46,9 @@ def no_blended_prefix(engine):
         engine.config.blend.store_blended_prefix = True
 
 
-def _first(engine, segs, mode, ratio=0.15, max_tokens=1, selection=None):
+def _first(engine, segs, mode, ratio=0.15, max_tokens=1, selection=None, lookahead_layers=None):
     return engine.run(GenerationRequest(segs, SamplingParams(max_tokens=max_tokens), mode=mode, recompute_ratio=ratio,
-                                        selection=selection))
+                                        selection=selection, lookahead_layers=lookahead_layers))
 
 
 @pytest.mark.parametrize("dtype,atol,attention,device", [
@@ -409,16 +409,20 @@ def test_query_selection_keeps_the_chunk_rows_the_query_attends_to_most(monkeypa
     assert received[kept].min() >= received[dropped].max() - 1e-5
 
 
-def test_recorded_query_attention_equals_transformers_attention_weights():
+@pytest.mark.parametrize("num_layers", [None, 3])
+def test_recorded_query_attention_equals_transformers_attention_weights(num_layers):
     """The lookahead selection's ranking: attention each key receives, summed over layers, heads and
     computed rows (at the last layer only the last row is computed), against transformers' eager
-    attention weights of the same prompt."""
+    attention weights of the same prompt. A pass of the first 3 layers sums those layers only and
+    gives no logits."""
     engine = embedded_engine("float32")
     segs = _segments(engine, order=(1, 0))
     T = segs.num_tokens
     ids = torch.tensor(segs.token_ids)
-    plan = PrefillPlan(ids, None, None, torch.zeros(T, dtype=torch.bool), torch.arange(T), record_query_attention=True)
-    received = run_prefill(engine.ops, plan, KVCache.allocate(engine.ops, T)).query_attention  # [T]
+    plan = PrefillPlan(ids, None, None, torch.zeros(T, dtype=torch.bool), torch.arange(T), record_query_attention=True,
+                       num_layers=num_layers)
+    out = run_prefill(engine.ops, plan, KVCache.allocate(engine.ops, T))
+    received = out.query_attention  # [T]
     hf = engine.loaded.hf_model
     implementation = hf.config._attn_implementation
     hf.set_attn_implementation("eager")  # the only one that returns attention weights
@@ -427,16 +431,38 @@ def test_recorded_query_attention_equals_transformers_attention_weights():
             weights = torch.stack([a[0] for a in hf(ids[None], output_attentions=True).attentions])  # [L, H, T, T]
     finally:
         hf.set_attn_implementation(implementation)
-    reference = weights[:-1].sum(dim=(0, 1, 2)) + weights[-1, :, -1].sum(dim=0)
+    if num_layers is None:
+        reference = weights[:-1].sum(dim=(0, 1, 2)) + weights[-1, :, -1].sum(dim=0)
+    else:
+        reference = weights[:num_layers].sum(dim=(0, 1, 2))
+        assert out.last_logits is None
     assert (received - reference).abs().max().item() <= 1e-5 * reference.max().item()
 
 
-def test_lookahead_recomputes_the_rows_a_reuse_pass_finds_most_attended(monkeypatch):
-    """lookahead = a reuse pass recording the query's attention, then a blend recomputing from layer 0
+def test_a_pass_stopped_early_must_only_record_the_query_attention():
+    engine = embedded_engine("float32")
+    T, L = 8, engine.ops.num_layers
+    record = {"record_query_attention": True}
+    cases = [({"num_layers": 2}, "only records"),
+             ({"num_layers": 2, "check_layers": (1,), "check_keep": (2,), **record}, "only records"),
+             ({"num_layers": 0, **record}, "num_layers must be in"),
+             ({"num_layers": L + 1, **record}, "num_layers must be in")]
+    for kwargs, message in cases:
+        plan = PrefillPlan(torch.arange(T), None, None, torch.zeros(T, dtype=torch.bool), torch.arange(T), **kwargs)
+        with pytest.raises(ValueError, match=message):
+            run_prefill(engine.ops, plan, KVCache.allocate(engine.ops, T))
+
+
+@pytest.mark.parametrize("configured,requested,pass_layers", [(0, None, None), (6, None, 6), (6, 4, 4)])
+def test_lookahead_recomputes_the_rows_a_reuse_pass_finds_most_attended(monkeypatch, configured, requested,
+                                                                        pass_layers):
+    """lookahead = a reuse pass recording the query's attention (over every layer, or the first
+    BlendConfig.lookahead_layers, which a request may override), then a blend recomputing from layer 0
     the chunk rows that attention ranks highest (and the query); accounting counts them as recomputed."""
     import kvblend.engine.engine as engine_module
 
     engine = embedded_engine("float32")
+    monkeypatch.setattr(engine.config.blend, "lookahead_layers", configured)
     engine.store = MemoryStore()
     segs = _segments(engine, order=(3, 1, 2, 0))
     engine.precompute(segs.chunk_ids)
@@ -451,9 +477,10 @@ def test_lookahead_recomputes_the_rows_a_reuse_pass_finds_most_attended(monkeypa
     _first(engine, segs, "reuse")  # stores the prefix: the reuse pass computes exactly the query
     plans.clear(), outputs.clear()
     with no_blended_prefix(engine):
-        result = _first(engine, segs, "blend", 0.15, selection="lookahead")
+        result = _first(engine, segs, "blend", 0.15, selection="lookahead", lookahead_layers=requested)
     (reuse_pass, blend_pass), num_query = plans, len(segs.query_ids)
     assert reuse_pass.active_rows.tolist() == list(range(segs.num_tokens - num_query, segs.num_tokens))
+    assert reuse_pass.num_layers == pass_layers
     assert blend_pass.check_layers == () and outputs[1].query_attention is None
     received, kept = outputs[0].query_attention, outputs[1].recomputed_rows
     chunk_rows = torch.arange(len(segs.prefix_ids), segs.num_tokens - num_query)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvblend.blend.selection import query_attention, select_top_tokens
+from kvblend.config import BlendConfig, parse_selection
 
 
 def _reference_query_attention(q, keys, positions, scaling):
@@ -38,3 +40,27 @@ def test_select_top_tokens_returns_the_largest_in_index_order():
     assert select_top_tokens(scores, 2).tolist() == [1, 3]
     assert select_top_tokens(scores, 0).tolist() == []
     assert select_top_tokens(scores, 9).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_query_attention_in_row_blocks_matches_one_block():
+    """Rows split into blocks (a bound on score memory) sum to the same totals, with unsorted,
+    non-contiguous positions."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(4, 7, 8, generator=gen)
+    keys = torch.randn(2, 20, 8, generator=gen)
+    positions = torch.tensor([19, 3, 11, 12, 0, 17, 8])
+    whole = query_attention(q, keys, positions, 0.3)
+    blocked = query_attention(q, keys, positions, 0.3, max_scores=4 * 20 * 2)  # two rows a block
+    torch.testing.assert_close(blocked, whole, atol=1e-5, rtol=0)
+    torch.testing.assert_close(whole.double(), _reference_query_attention(q, keys, positions, 0.3), atol=1e-5, rtol=0)
+
+
+def test_parse_selection_takes_a_layer_count_for_lookahead_only():
+    assert parse_selection("deviation") == ("deviation", None)
+    assert parse_selection("lookahead") == ("lookahead", None)
+    assert parse_selection("lookahead:8") == ("lookahead", 8)
+    for bad in ("deviation:2", "lookahead:", "lookahead:-1", "lookahead:two", "best"):
+        with pytest.raises(ValueError):
+            parse_selection(bad)
+    with pytest.raises(ValueError, match="lookahead_layers must be an integer >= 0"):
+        BlendConfig(lookahead_layers=-1)

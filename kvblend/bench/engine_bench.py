@@ -99,8 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated token selections to run at every ratio, in one run against the same full "
                         "prefill: deviation (default; CacheBlend: largest KV deviation at the check layer), query "
                         "(most attention from the query rows there), lookahead (most attention from the query "
-                        "over all layers of a reuse pass run first); rows blend@R, blend@R/query, "
-                        "blend@R/lookahead")
+                        "over all layers of a reuse pass run first; lookahead:N over its first N layers); rows "
+                        "blend@R, blend@R/query, blend@R/lookahead, blend@R/lookahead:N")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per answer (default 32)")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/engine-<model>-<dtype>.json)")
@@ -114,7 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from kvblend.bench.data import DEFAULT_MUSIQUE, load_musique
     from kvblend.bench.metrics import clean_answer, f1_score, max_over_golds, rouge_l
-    from kvblend.config import BlendConfig, EngineConfig, ModelConfig
+    from kvblend.config import BlendConfig, EngineConfig, ModelConfig, parse_selection
     from kvblend.engine.engine import create_engine
     from kvblend.engine.request import GenerationRequest, SamplingParams
     from kvblend.store.memory import MemoryStore
@@ -164,8 +164,9 @@ def run(args) -> int:
             engine.run(GenerationRequest(cached_order, SamplingParams(max_tokens=1), mode="prefix"))
         full_result = None
         for mr in runs:
+            selection, depth = parse_selection(mr.selection) if mr.selection else (None, None)
             res = engine.run(GenerationRequest(segs, sampling, mode=mr.mode, recompute_ratio=mr.ratio,
-                                               selection=mr.selection))
+                                               selection=selection, lookahead_layers=depth))
             if mr.mode == "full":
                 full_result = res
             answer = clean_answer(res.text)
@@ -333,13 +334,18 @@ def _ratio_text(ratio: float | None) -> str:
 
 
 def _selections(text: str) -> list[str]:
-    from kvblend.config import SELECTION_KINDS
+    from kvblend.config import SELECTION_KINDS, parse_selection
 
     selections = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
-    unknown = [s for s in selections if s not in SELECTION_KINDS]
+    unknown = []
+    for sel in selections:
+        try:
+            parse_selection(sel)
+        except ValueError:
+            unknown.append(sel)
     if unknown or not selections:
         raise SystemExit(f"kvblend bench engine: unknown --selection {', '.join(unknown) or repr(text)} "
-                         f"(choose from {', '.join(SELECTION_KINDS)})")
+                         f"(choose from {', '.join(SELECTION_KINDS)}, or lookahead:N)")
     return selections
 
 

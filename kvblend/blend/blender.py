@@ -87,6 +87,9 @@ class PrefillPlan:
     # Sum, over layers, the attention the computed rows give every key (PrefillOutput.query_attention):
     # on a reuse plan those rows are the query, and the sums rank the chunk rows for "lookahead".
     record_query_attention: bool = False
+    # Run layers [0, num_layers) only (None: every layer). A shorter pass has no logits: it is only for
+    # recording the query's attention (lookahead ranking from the first layers).
+    num_layers: int | None = None
     # Pipelined loading: called before layer l's stored rows are first read; blocks until loaded.
     wait_layer: Callable[[int], None] | None = None
 
@@ -101,7 +104,7 @@ class PrefillPlan:
 
 @dataclass
 class PrefillOutput:
-    last_logits: torch.Tensor  # [vocab] float32
+    last_logits: torch.Tensor | None  # [vocab] float32; None after a pass stopped early (plan.num_layers)
     fresh_k: torch.Tensor  # [L, Hkv, T, d] pre-RoPE keys: fresh where computed, stored elsewhere
     fresh_v: torch.Tensor
     recomputed_rows: torch.Tensor  # stored rows still active after the last check layer
@@ -118,6 +121,7 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
     T = plan.num_tokens
     if cache.capacity < T:
         raise ValueError(f"cache capacity {cache.capacity} < prompt length {T}")
+    num_layers = _layers_to_run(ops, plan)
     attention = create_attention(ops, T)
     k_pre, v_all = _working_buffers(ops, plan, cache)  # [L, Hkv, T, d] each; v_all is the cache's V
     active = plan.active_rows.to(ops.device)
@@ -128,7 +132,7 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
     h = _pad_rows(ops.embed(token_ids[active]))  # [A + pad, D]; rows past A are zeros, never read
     recomputed = active[plan.is_stored(active)].cpu()  # narrowed at check layers
     recorder = QueryAttentionRecorder(ops, T) if plan.record_query_attention else None
-    for layer in range(ops.num_layers):
+    for layer in range(num_layers):
         if has_stored and plan.wait_layer is not None:
             # Also when every row is computed (blend@1 after the check layer): fresh rows overwrite
             # stored ones in these buffers, so the loader must be done with the layer first.
@@ -150,8 +154,19 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
             recorder.add(q, cache.k[layer, :, :T], active)
         h = ops.finish_layer(layer, h, _pad_rows(attn, h.shape[0]))
     cache.length = T
-    last_logits = ops.logits(h[active.numel() - 1:active.numel()])[0]
+    last_logits = ops.logits(h[active.numel() - 1:active.numel()])[0] if num_layers == ops.num_layers else None
     return PrefillOutput(last_logits, k_pre, v_all, recomputed, recorder.total if recorder else None)
+
+
+def _layers_to_run(ops: TransformerOps, plan: PrefillPlan) -> int:
+    if plan.num_layers is None or plan.num_layers == ops.num_layers:
+        return ops.num_layers
+    if not 1 <= plan.num_layers < ops.num_layers:
+        raise ValueError(f"num_layers must be in [1, {ops.num_layers}], got {plan.num_layers}")
+    if not plan.record_query_attention or plan.check_layers:
+        raise ValueError("a pass stopped before the last layer only records the query's attention "
+                         "(record_query_attention, no check layers)")
+    return plan.num_layers
 
 
 class QueryAttentionRecorder:

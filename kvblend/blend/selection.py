@@ -37,21 +37,33 @@ def token_deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torc
 
 
 def query_attention(query_q: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
-                    scaling: float) -> torch.Tensor:
+                    scaling: float, max_scores: int = 1 << 24) -> torch.Tensor:
     """Attention probability each key receives from the query rows, summed over heads and query rows.
 
     query_q [Hq, Q, d] and keys [Hkv, T, d] post-RoPE (Hq a multiple of Hkv: grouped-query heads share a
     key head); query_positions [Q]: the rows' absolute positions, each sees keys at positions <= its
-    own (exact causal). -> float32 [T]. One key head at a time bounds memory to [Hq/Hkv * Q, T].
+    own (exact causal). -> float32 [T]. Rows go in blocks of at most ``max_scores`` fp32 scores.
+
+    One batched matmul per block (every key head at once), and only the keys from the earliest row's
+    position on are masked: the reuse pass of ``lookahead`` calls this every layer, and per-head calls
+    with a [Q, T] mask cost about twice as much there.
     """
-    num_kv_heads, num_keys = keys.shape[0], keys.shape[1]
-    group = query_q.shape[0] // num_kv_heads
-    hidden = ~causal_mask(query_positions, num_keys)  # [Q, T]
+    num_kv_heads, num_keys, head_dim = keys.shape
+    num_heads, num_rows = query_q.shape[0], query_q.shape[1]
+    group = num_heads // num_kv_heads
+    keys_t = keys.float().transpose(1, 2)  # [Hkv, d, T]
     total = torch.zeros(num_keys, dtype=torch.float32, device=keys.device)
-    for g in range(num_kv_heads):
-        q = query_q[g * group:(g + 1) * group].float()  # [group, Q, d]
-        scores = (q @ keys[g].float().T) * scaling  # [group, Q, T]
-        total += scores.masked_fill_(hidden, float("-inf")).softmax(dim=-1).sum(dim=(0, 1))
+    block = max(1, max_scores // (num_heads * num_keys))
+    for start in range(0, num_rows, block):
+        positions = query_positions[start:start + block]
+        first = int(positions.min())  # keys before it precede every row of the block
+        hidden = ~causal_mask(positions, num_keys, first_key=first)  # [B, T - first]
+        q = query_q[:, start:start + block].float().mul(scaling)  # [Hq, B, d]
+        rows = q.shape[1]
+        scores = torch.bmm(q.reshape(num_kv_heads, group * rows, head_dim), keys_t)  # [Hkv, group * B, T]
+        scores = scores.view(num_kv_heads, group, rows, num_keys)
+        scores[..., first:].masked_fill_(hidden, float("-inf"))
+        total += torch.softmax(scores, dim=-1).view(-1, num_keys).sum(0)
     return total
 
 

@@ -22,7 +22,7 @@ from kvblend.blend.rope import apply_rope, halves_repeat
 from kvblend.blend.segmenter import (CHUNK_SEPARATOR, Segments, build_segments, build_segments_from_parts,
                                      encode, render_template_halves, split_plain_text)
 from kvblend.blend.selection import num_to_keep, select_top_tokens
-from kvblend.config import EngineConfig, validate_mode, validate_ratio, validate_selection
+from kvblend.config import EngineConfig, validate_lookahead_layers, validate_mode, validate_ratio, validate_selection
 from kvblend.engine.request import (GenerationRequest, GenerationResult, PrefillStats,
                                     TokenEvent)
 from kvblend.engine.sampler import create_generator, sample
@@ -45,6 +45,25 @@ class ContextLengthError(ValueError):
             f"this model's maximum context length is {max_context_len} tokens; the prompt has {prompt_tokens} "
             f"tokens and {max_tokens} more were requested for the completion ({prompt_tokens + max_tokens} in all)"
         )
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """How one request prefills, its defaults resolved from the engine's BlendConfig."""
+
+    mode: str
+    ratio: float
+    selection: str
+    lookahead_layers: int  # 0 = every layer
+
+    @property
+    def chain_tag(self) -> str:
+        """Part of chained (blended-prefix) keys: blended KV depends on the mode, ratio and selection, so
+        entries of one never serve another."""
+        if self.mode != "blend" or self.selection == "deviation":
+            return f"{self.mode}@{self.ratio:g}"
+        depth = f":{self.lookahead_layers}" if self.selection == "lookahead" and self.lookahead_layers else ""
+        return f"{self.mode}@{self.ratio:g}/{self.selection}{depth}"
 
 
 @dataclass
@@ -179,6 +198,9 @@ class Engine:
         ratio = validate_ratio(self.config.blend.recompute_ratio if request.recompute_ratio is None
                                else request.recompute_ratio)
         selection = validate_selection(request.selection or self.config.blend.selection)
+        depth = validate_lookahead_layers(self.config.blend.lookahead_layers if request.lookahead_layers is None
+                                          else request.lookahead_layers)
+        choice = _Choice(mode, ratio, selection, depth)
         segs = request.segments
         num_tokens = segs.num_tokens
         if num_tokens == 0:
@@ -190,7 +212,7 @@ class Engine:
         k_buffer = self.buffers.take(cache.k[:, :, :num_tokens].nbytes, self.ops.device)
         k_work = typed_view(k_buffer, _rows_shape(cache, num_tokens), self.ops.dtype)
         try:
-            seq = self._prefill(request, mode, ratio, selection, cache, k_work, t0)
+            seq = self._prefill(request, choice, cache, k_work, t0)
         except BaseException:
             cache.release()
             raise
@@ -198,20 +220,20 @@ class Engine:
             self.buffers.give(k_buffer)  # the pre-RoPE K workspace: nothing reads it past the prefill
         return seq
 
-    def _prefill(self, request: GenerationRequest, mode: str, ratio: float, selection: str, cache: KVCache,
-                 k_work: torch.Tensor, t0: float) -> Sequence:
+    def _prefill(self, request: GenerationRequest, choice: _Choice, cache: KVCache, k_work: torch.Tensor,
+                 t0: float) -> Sequence:
         """Plan, run the layer loop (once more if stored KV fails mid-read), sample the first token.
         k_work [L, Hkv, T, d]: pre-RoPE K of the prompt rows, stored rows loaded into it."""
         segs, num_tokens = request.segments, request.segments.num_tokens
+        mode, ratio, selection = choice.mode, choice.ratio, choice.selection
         for attempt in range(2):
             stats = PrefillStats(mode=mode, recompute_ratio=ratio if mode == "blend" else (0.0 if mode == "reuse" else 1.0),
                                  selection=selection if mode == "blend" else None, prompt_tokens=num_tokens)
-            plan, stored, to_store, loader = self._plan(segs, mode, ratio, selection, request.namespace, stats, cache,
-                                                        k_work)
+            plan, stored, to_store, loader = self._plan(segs, choice, request.namespace, stats, cache, k_work)
             t_loaded = time.perf_counter()
             try:
                 if selection == "lookahead" and plan.check_layers:
-                    plan = self._lookahead(plan, cache)
+                    plan = self._lookahead(plan, cache, choice.lookahead_layers)
                 out = run_prefill(self.ops, plan, cache)
                 break
             except KVReadError as e:  # an entry went bad mid-read: it is gone now, so plan again
@@ -237,13 +259,14 @@ class Engine:
             seq.pending.append(event)
         return seq
 
-    def _plan(self, segs: Segments, mode: str, ratio: float, selection: str, namespace: str, stats: PrefillStats,
-              cache: KVCache, k_work: torch.Tensor):
-        """Look segments up in the store for ``mode`` and build the layer-loop plan; stored K loads into
+    def _plan(self, segs: Segments, choice: _Choice, namespace: str, stats: PrefillStats, cache: KVCache,
+              k_work: torch.Tensor):
+        """Look segments up in the store for ``choice.mode`` and build the layer-loop plan; stored K loads into
         ``k_work`` [L, Hkv, T, d], stored V into the cache.
 
         Returns (plan, stored segments, [(prefix key, row start, row end)] to store after the
         prefill, the loader filling the plan's stored rows layer by layer or None)."""
+        mode, ratio, selection = choice.mode, choice.ratio, choice.selection
         ids = torch.tensor(segs.token_ids, dtype=torch.long)
         num_tokens = ids.numel()
         stats.chunks_total = len(segs.chunk_ids)
@@ -252,9 +275,7 @@ class Engine:
         elif mode == "prefix":
             stored, to_store = self._lookup_prefix_chain(segs, namespace)
         else:
-            # blended KV depends on the selection too: chained entries of one never serve the other
-            tag = f"{mode}@{ratio:g}" + (f"/{selection}" if mode == "blend" and selection != "deviation" else "")
-            stored, to_store = self._lookup_chunks(segs, namespace, stats, tag)
+            stored, to_store = self._lookup_chunks(segs, namespace, stats, choice.chain_tag)
         stored_mask = torch.zeros(num_tokens, dtype=torch.bool)
         stored_k, stored_v, loader = k_work, None, None  # k_work also holds the fresh rows' K
         if stored:
@@ -286,11 +307,12 @@ class Engine:
                            wait_layer=loader.wait_layer if loader else None)
         return plan, stored, to_store, loader
 
-    def _lookahead(self, plan: PrefillPlan, cache: KVCache) -> PrefillPlan:
+    def _lookahead(self, plan: PrefillPlan, cache: KVCache, depth: int) -> PrefillPlan:
         """The "lookahead" selection: a reuse pass (only the unstored rows, the query, computed over the
         stored KV) sums the attention each chunk row gets from the query over every layer; the blend plan
         then recomputes the top ones from layer 0 on, with no check layer. Layer-0 KV is context-free,
-        so the dropped rows lose nothing by skipping layer 0, which offsets part of the pass's cost."""
+        so the dropped rows lose nothing by skipping layer 0, which offsets part of the pass's cost.
+        ``depth`` > 0 stops the pass after that many layers (their attention alone ranks the rows)."""
         active = plan.active_rows
         is_stored = plan.is_stored(active)
         # the last row is always computed: its logits are the first token
@@ -298,7 +320,8 @@ class Engine:
         candidates = active[is_stored & (active != active[-1])]
         num_keep = plan.check_keep[-1]
         if 0 < num_keep < candidates.numel():  # else nothing to rank: recompute all candidates or none
-            reuse = replace(plan, active_rows=always, check_layers=(), check_keep=(), record_query_attention=True)
+            reuse = replace(plan, active_rows=always, check_layers=(), check_keep=(), record_query_attention=True,
+                            num_layers=min(depth, self.ops.num_layers) if depth else None)
             received = run_prefill(self.ops, reuse, cache).query_attention  # [T]
             chosen = candidates[select_top_tokens(received[candidates], num_keep).cpu()]  # plan rows stay on the CPU
         else:

@@ -33,6 +33,7 @@ class GenerationRequest:
     mode: str | None = None  # None: the engine's default (BlendConfig.mode)
     recompute_ratio: float | None = None
     selection: str | None = None  # blend's token selection; None: the engine's default (BlendConfig.selection)
+    lookahead_layers: int | None = None  # depth of lookahead's reuse pass; None: BlendConfig.lookahead_layers
     namespace: str = ""  # tenant: part of every store key, so tenants never share KV
 
 
