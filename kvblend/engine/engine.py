@@ -54,7 +54,7 @@ class _Choice:
     mode: str
     ratio: float
     selection: str
-    lookahead_layers: int  # 0 = every layer
+    lookahead_layers: int  # 0 = every layer; else fewer than the model's layers
 
     @property
     def chain_tag(self) -> str:
@@ -200,7 +200,8 @@ class Engine:
         selection = validate_selection(request.selection or self.config.blend.selection)
         depth = validate_lookahead_layers(self.config.blend.lookahead_layers if request.lookahead_layers is None
                                           else request.lookahead_layers)
-        choice = _Choice(mode, ratio, selection, depth)
+        # A depth of the whole model or more is every layer: one spelling (0), so one chained-key tag.
+        choice = _Choice(mode, ratio, selection, 0 if depth >= self.ops.num_layers else depth)
         segs = request.segments
         num_tokens = segs.num_tokens
         if num_tokens == 0:
@@ -321,7 +322,7 @@ class Engine:
         num_keep = plan.check_keep[-1]
         if 0 < num_keep < candidates.numel():  # else nothing to rank: recompute all candidates or none
             reuse = replace(plan, active_rows=always, check_layers=(), check_keep=(), record_query_attention=True,
-                            num_layers=min(depth, self.ops.num_layers) if depth else None)
+                            num_layers=depth or None)
             received = run_prefill(self.ops, reuse, cache).query_attention  # [T]
             chosen = candidates[select_top_tokens(received[candidates], num_keep).cpu()]  # plan rows stay on the CPU
         else:
