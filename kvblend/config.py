@@ -17,14 +17,15 @@ DEVIATION_KINDS = ("v", "k", "kv")
 # How a check layer picks the chunk tokens to keep recomputing (kvblend/blend/selection.py).
 SELECTION_KINDS = ("deviation", "query", "lookahead")
 DTYPES = ("auto", "bfloat16", "float32", "float16")
-# CPU features that make bf16 prefill pay: AMX tiles (and the amx attention kernel). Without any native bf16
-# oneDNN emulates it, several times slower than fp32 (measured 7.6x on an AVX2-only EPYC). AVX-512 BF16 alone
-# (Zen 4) is native but no faster here: full prefill 14.8 s bf16 vs 15.2 s fp32, blend@0.15 3.35 s vs 3.07 s.
-NATIVE_BF16_CPU_FLAGS = ("amx_bf16",)
+# CPU features that make bf16 prefill pay: AMX tiles (the amx attention kernel) or AVX-512 BF16 (Zen 4: the
+# avx512bf16 kernel; bf16 matmuls ran 2.4x faster than fp32 there, and one 6,254-token full prefill took
+# 8.8 s in bf16 against 19.3 s in fp32). Without any native bf16 oneDNN emulates it, several times slower
+# than fp32 (measured 7.6x on an AVX2-only EPYC).
+NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 # Prefill attention: "auto" uses the native kernel (kvblend/kernels) for the engine's dtype where it applies
-# (head_dim 64 on the CPU: bf16 with AMX, fp32 with AVX2 + FMA) and PyTorch's kernels elsewhere; "amx" and
-# "avx2" require that kernel; "torch" never uses a native one.
-ATTENTION_KERNELS = ("auto", "amx", "avx2", "torch")
+# (head_dim 64 on the CPU: bf16 with AMX or else AVX512-BF16, fp32 with AVX2 + FMA) and PyTorch's kernels
+# elsewhere; "amx", "avx512bf16" and "avx2" require that kernel; "torch" never uses a native one.
+ATTENTION_KERNELS = ("auto", "amx", "avx512bf16", "avx2", "torch")
 
 
 def validate_device(device: str) -> str:
@@ -64,7 +65,7 @@ def cpu_model_name() -> str:
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
     """"auto" -> the fastest exact-enough dtype here: bfloat16 on CUDA and on CPUs with native bf16
-    (AMX), float32 on other CPUs. Any other value is returned as is."""
+    (AMX or AVX-512 BF16), float32 on other CPUs. Any other value is returned as is."""
     if dtype != "auto":
         return dtype
     if device.startswith("cuda"):
@@ -73,7 +74,7 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
 
 
 def default_attention_kernel() -> str:
-    """``KVBLEND_ATTENTION_KERNEL`` (auto / amx / avx2 / torch), default auto."""
+    """``KVBLEND_ATTENTION_KERNEL`` (auto / amx / avx512bf16 / avx2 / torch), default auto."""
     return os.environ.get("KVBLEND_ATTENTION_KERNEL") or "auto"
 
 
@@ -81,7 +82,7 @@ def default_attention_kernel() -> str:
 class ModelConfig:
     # A local HF dir (safetensors), a .gguf file, or "" for the embedded SmolLM2-135M-Instruct.
     model: str = ""
-    # "auto": bfloat16 where it pays (CUDA, AMX CPUs), else float32; resolved here,
+    # "auto": bfloat16 where it pays (CUDA, CPUs with AMX or AVX-512 BF16), else float32; resolved here,
     # so everything downstream sees a concrete dtype.
     dtype: str = "auto"
     device: str = "cpu"

@@ -535,8 +535,8 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
 
 
 def test_auto_dtype_is_bf16_only_where_it_is_native(monkeypatch):
-    """bf16 is emulated (several times slower than fp32) on CPUs without AMX / AVX-512 BF16, and no faster
-    with AVX-512 BF16 alone (Zen 4): auto picks it on CUDA and AMX only."""
+    """bf16 is emulated (several times slower than fp32) on CPUs without AMX / AVX-512 BF16: auto picks it
+    on CUDA, AMX and AVX-512 BF16 (Zen 4) only."""
     import kvblend.config as config
     from kvblend.config import ModelConfig, resolve_dtype
 
@@ -546,6 +546,8 @@ def test_auto_dtype_is_bf16_only_where_it_is_native(monkeypatch):
     monkeypatch.setattr(config, "cpu_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
     assert ModelConfig().dtype == "bfloat16"
     monkeypatch.setattr(config, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert ModelConfig(dtype="auto").dtype == "bfloat16"
+    monkeypatch.setattr(config, "cpu_flags", lambda: {"avx512f", "avx2", "fma"})  # AVX-512 without BF16
     assert ModelConfig(dtype="auto").dtype == "float32"
     assert ModelConfig(dtype="bfloat16").dtype == "bfloat16"
     assert ModelConfig(dtype="float32").dtype == "float32"  # explicit choices are kept

@@ -1,8 +1,8 @@
-"""The native attention kernels (kvblend/kernels: rows_attention.c, bf16 on AMX; rows_attention_f32.c,
-fp32 on AVX2) against float64 / fp32 references.
+"""The native attention kernels (kvblend/kernels: rows_attention.c, bf16 on AMX and, built without AMX,
+on AVX512-BF16; rows_attention_f32.c, fp32 on AVX2) against float64 / fp32 references.
 
 Each kernel's tests are skipped, with the reason, where it cannot run (no gcc, a CPU without its ISA).
-Tolerances: the AMX kernel rounds probabilities to bf16 before P V (as PyTorch's bf16 flash kernel does),
+Tolerances: the bf16 kernels round probabilities to bf16 before P V (as PyTorch's bf16 flash kernel does),
 so outputs of unit scale differ from the reference by up to ~1e-2 and rotated keys are fp32 math rounded
 once to bf16; the fp32 kernel stays within 1e-4 (fp32 accumulation over ~6k keys, a 2e-7 exp2).
 """
@@ -19,19 +19,21 @@ from engine_fixtures import embedded_engine, musique_docs
 from kvblend.config import EngineConfig, ModelConfig
 from kvblend.engine.engine import create_engine
 from kvblend.engine.request import GenerationRequest, SamplingParams
-from kvblend.kernels import KERNELS, KernelUnavailable, load_rows_attention
+from kvblend.kernels import KERNEL_SPECS, KERNELS_BY_NAME, KernelUnavailable, load_rows_attention
 from kvblend.kernels.selfcheck import rope_half_tables as _rope_half, rotate as _rotate
 
 # output atol, rotated-key (atol, rtol) per kernel dtype
 TOLERANCES = {torch.bfloat16: (3e-2, (1 / 64, 1 / 128)), torch.float32: (1e-4, (1e-5, 1e-5))}
 
 
-@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["amx", "avx2"])
+@pytest.fixture(scope="module", params=[spec.name for spec in KERNEL_SPECS])
 def kernel(request, tmp_path_factory):
+    """Each build where this CPU runs it (an AMX CPU runs both bf16 builds)."""
+    spec = KERNELS_BY_NAME[request.param]
     try:
-        return load_rows_attention(tmp_path_factory.mktemp("kvblend-cache"), request.param)
+        return load_rows_attention(tmp_path_factory.mktemp("kvblend-cache"), spec.dtype, spec.name)
     except KernelUnavailable as e:
-        pytest.skip(f"{KERNELS[request.param].name} kernel unavailable here: {e}")
+        pytest.skip(f"{spec.name} kernel unavailable here: {e}")
 
 
 def _reference(q, k, v, positions, rope):
@@ -122,9 +124,8 @@ def test_engine_prefill_with_kernel_matches_pytorch_kernels(kernel):
     """The same prompt through full and blend@0.15 with the native kernel and with PyTorch's kernels: the
     same first token, logits within 1.0 in bf16 (the repo's bf16 tolerance) and 1e-3 in fp32."""
     dtype = str(kernel.dtype).removeprefix("torch.")
-    native = embedded_engine(dtype)
-    if native.attention_kernel != kernel.name:
-        pytest.skip(f"the embedded {dtype} engine did not pick the {kernel.name} kernel")
+    native = embedded_engine(dtype, attention_kernel=kernel.name)
+    assert native.attention_kernel == kernel.name
     ref = create_engine(EngineConfig(model=ModelConfig(dtype=dtype, num_threads=2, attention_kernel="torch")))
     assert ref.attention_kernel == "torch"
     docs, question = musique_docs(1, 4)
@@ -154,6 +155,8 @@ def test_attention_kernel_setting():
         create_engine(EngineConfig(model=ModelConfig(dtype="float32", attention_kernel="amx")))
     with pytest.raises(ValueError, match="float32 only"):
         create_engine(EngineConfig(model=ModelConfig(dtype="bfloat16", attention_kernel="avx2")))
+    with pytest.raises(ValueError, match="bfloat16 only"):
+        create_engine(EngineConfig(model=ModelConfig(dtype="float32", attention_kernel="avx512bf16")))
 
 
 BROKEN_KERNELS = {
@@ -191,7 +194,7 @@ def test_a_build_failing_its_self_check_is_never_loaded(broken, tmp_path):
     from kvblend import kernels
 
     cc = shutil.which("gcc") or shutil.which("cc")
-    spec = KERNELS[torch.float32]
+    spec = KERNELS_BY_NAME["avx2"]
     if cc is None or not set(spec.cpu_flags) <= kernels.cpu_flags():
         pytest.skip("needs gcc and an AVX2 CPU")
     source = _broken_source(tmp_path / "broken.c", broken)

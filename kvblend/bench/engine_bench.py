@@ -72,6 +72,8 @@ class ModeRun:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvblend.config import ATTENTION_KERNELS  # config imports nothing heavy
+
     p.add_argument("--examples", type=int, default=10, help="number of MuSiQue examples (default 10)")
     p.add_argument("--offset", type=int, default=0,
                    help="skip the first K examples; each example keeps the passage order a run from 0 gives it, "
@@ -79,12 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, help="MuSiQue JSON (default ../shared/data/musique_dev.json)")
     p.add_argument("--model", default="", help="HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="auto (default): bfloat16 on CUDA and AMX CPUs, else float32")
+                   help="auto (default): bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, else float32")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    p.add_argument("--attention-kernel", default=None, choices=["auto", "amx", "avx2", "torch"],
-                   help="prefill attention: auto (the native kernel for the dtype where it applies: amx for "
-                        "bfloat16, avx2 for float32), amx / avx2 (required), torch "
+    p.add_argument("--attention-kernel", default=None, choices=list(ATTENTION_KERNELS),
+                   help="prefill attention: auto (the native kernel for the dtype where it applies: amx, else "
+                        "avx512bf16 for bfloat16, avx2 for float32), amx / avx512bf16 / avx2 (required), torch "
                         "(default: KVBLEND_ATTENTION_KERNEL or auto)")
     p.add_argument("--modes", default=",".join(MODES),
                    help="comma-separated modes to run (default all: full,prefix,reuse,blend); full always "

@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instruction", default="", help="text after the template start, before the documents")
     p.add_argument("--model", default="", help="HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="auto (default): bfloat16 on CUDA and AMX CPUs, else float32")
+                   help="auto (default): bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, else float32")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--mode", default="blend", choices=["full", "prefix", "reuse", "blend"])
     p.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio in [0, 1]")

@@ -27,7 +27,8 @@ from kvblend.engine.request import (GenerationRequest, GenerationResult, Prefill
                                     TokenEvent)
 from kvblend.engine.sampler import create_generator, sample
 from kvblend.models.loader import EMBEDDED_MODEL_ID, LoadedModel, load_model
-from kvblend.kernels import HEAD_DIM, KERNELS, KERNELS_BY_NAME, KernelUnavailable, load_rows_attention
+from kvblend.kernels import (HEAD_DIM, KERNELS_BY_NAME, KernelUnavailable, dtype_name, kernels_for,
+                             load_rows_attention)
 from kvblend.models.transformer import TransformerOps
 from kvblend.engine.kv_loader import LayerwiseLoader, load_sync
 from kvblend.store.base import ChunkKV, KVStore
@@ -579,28 +580,27 @@ def _model_id(model_ref: str, loaded: LoadedModel) -> str:
 
 def _rows_attention_kernel(cfg, loaded: LoadedModel):
     """The native attention kernel for the engine's dtype when ``cfg.attention_kernel`` allows it and it
-    applies (on the CPU, head_dim 64; bfloat16: AMX, float32: AVX2), else None (PyTorch kernels).
-    "amx" / "avx2" make every reason that kernel cannot run an error."""
+    applies (on the CPU, head_dim 64; bfloat16: AMX, else AVX512-BF16; float32: AVX2), else None (PyTorch
+    kernels). A kernel named in ``cfg.attention_kernel`` makes every reason it cannot run an error."""
     if cfg.attention_kernel == "torch":
         return None
     hf_cfg = loaded.hf_model.config
     head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
     dtype = getattr(torch, cfg.dtype)
-    wanted = KERNELS.get(dtype)
+    named = None if cfg.attention_kernel == "auto" else KERNELS_BY_NAME[cfg.attention_kernel]
     reason = None
-    if cfg.device != "cpu" or wanted is None:
+    if cfg.device != "cpu" or not kernels_for(dtype):
         reason = f"the native kernels run bfloat16 or float32 on the CPU (this engine: {cfg.dtype} on {cfg.device})"
-    elif cfg.attention_kernel not in ("auto", wanted.name):
-        only = str(KERNELS_BY_NAME[cfg.attention_kernel].dtype).removeprefix("torch.")
-        reason = f"it runs {only} only (this engine: {cfg.dtype})"
+    elif named is not None and named.dtype != dtype:
+        reason = f"it runs {dtype_name(named.dtype)} only (this engine: {cfg.dtype})"
     elif head_dim != HEAD_DIM:
         reason = f"it handles head_dim {HEAD_DIM} only (this model: {head_dim})"
     else:
         try:
-            return load_rows_attention(cfg.cache_dir, dtype)
+            return load_rows_attention(cfg.cache_dir, dtype, None if named is None else named.name)
         except KernelUnavailable as e:
             reason = str(e)
-    if cfg.attention_kernel != "auto":
+    if named is not None:
         raise ValueError(f"attention_kernel={cfg.attention_kernel}, but that kernel cannot be used: {reason}")
     log.info("prefill attention uses PyTorch kernels: the native kernel %s", reason)
     return None

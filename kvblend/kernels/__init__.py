@@ -3,10 +3,13 @@
 ``rows_attention.c`` is one layer's attention for a sorted set of query rows with an exact causal mask
 by absolute position: full prefill (every row) and CacheBlend's recomputed rows (scattered through the
 prompt) both go through it. PyTorch's CPU flash kernel can only be handed scattered rows in a few masked
-blocks, which computes and throws away a large share of the scores. Two builds of that contract:
+blocks, which computes and throws away a large share of the scores. Three builds of that contract:
 
-    amx   rows_attention.c       bfloat16, Intel AMX (Sapphire Rapids and later)
-    avx2  rows_attention_f32.c   float32, AVX2 + FMA (any x86-64 of the last decade, e.g. AMD Zen)
+    amx         rows_attention.c                bfloat16, Intel AMX (Sapphire Rapids and later)
+    avx512bf16  rows_attention.c -DKVB_NO_AMX   bfloat16, AVX512-BF16 without AMX (AMD Zen 4 and later)
+    avx2        rows_attention_f32.c            float32, AVX2 + FMA (any x86-64 of the last decade, e.g. AMD Zen)
+
+For a dtype with two builds the first whose CPU features are present is taken (amx, then avx512bf16).
 
 The shared object is built with the system C compiler into ``<cache_dir>/kernels/`` (keyed by a digest of
 the source and flags, written atomically) and needs no PyTorch headers. Where it cannot be used (no
@@ -53,17 +56,29 @@ class KernelSpec:
     init_symbol: str | None = None
 
 
-KERNELS = {spec.dtype: spec for spec in (
-    KernelSpec(
-        "amx", "rows_attention.c",
-        ("-O3", "-mtune=sapphirerapids", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16",
-         "-mfma", "-mamx-tile", "-mamx-bf16", "-fPIC", "-shared", "-pthread"),
-        ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"),
-        torch.bfloat16, "kvb_amx_init"),
+_AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mfma")
+_AVX512_CPU = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16")
+# Most preferred first within a dtype.
+KERNEL_SPECS = (
+    KernelSpec("amx", "rows_attention.c",
+               ("-O3", "-mtune=sapphirerapids", *_AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-fPIC", "-shared",
+                "-pthread"),
+               (*_AVX512_CPU, "amx_tile", "amx_bf16"), torch.bfloat16, "kvb_amx_init"),
+    KernelSpec("avx512bf16", "rows_attention.c",
+               ("-O3", *_AVX512_FLAGS, "-DKVB_NO_AMX", "-fPIC", "-shared", "-pthread"), _AVX512_CPU, torch.bfloat16),
     KernelSpec("avx2", "rows_attention_f32.c", ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread"),
                ("avx2", "fma"), torch.float32),
-)}
-KERNELS_BY_NAME = {spec.name: spec for spec in KERNELS.values()}
+)
+KERNELS_BY_NAME = {spec.name: spec for spec in KERNEL_SPECS}
+
+
+def kernels_for(dtype: torch.dtype) -> tuple[KernelSpec, ...]:
+    """The builds that take ``dtype`` tensors, most preferred first (empty: none)."""
+    return tuple(spec for spec in KERNEL_SPECS if spec.dtype == dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class KernelUnavailable(RuntimeError):
@@ -136,17 +151,24 @@ class RowsAttention:
 
 
 _lock = threading.Lock()
-_loaded: dict[tuple[Path, torch.dtype], RowsAttention | KernelUnavailable] = {}
+_loaded: dict[tuple[Path, str], RowsAttention | KernelUnavailable] = {}
 
 
-def load_rows_attention(cache_dir: Path, dtype: torch.dtype = torch.bfloat16) -> RowsAttention:
-    """The compiled kernel for ``dtype`` (bfloat16: AMX, float32: AVX2), built once per source/flags into
-    ``cache_dir``/kernels, or ``KernelUnavailable`` with the reason. Thread-safe; cached per process."""
-    spec = KERNELS.get(dtype)
-    if spec is None:
-        raise KernelUnavailable(f"no native kernel for {dtype} (bfloat16 and float32 have one)")
+def load_rows_attention(cache_dir: Path, dtype: torch.dtype = torch.bfloat16, name: str | None = None) -> RowsAttention:
+    """The compiled kernel for ``dtype`` (bfloat16: AMX, else AVX512-BF16; float32: AVX2), or the build
+    ``name``, built once per source/flags into ``cache_dir``/kernels, or ``KernelUnavailable`` with the
+    reason. Thread-safe; cached per process."""
+    specs = kernels_for(dtype)
+    if name is not None:
+        specs = tuple(spec for spec in specs if spec.name == name)
+    if not specs:
+        which = f"the {name} kernel does not run" if name else "no native kernel runs"
+        raise KernelUnavailable(f"{which} {dtype_name(dtype)} (amx and avx512bf16 run bfloat16, avx2 float32)")
+    flags = cpu_flags()
+    # the first build whose CPU features are all here; where none is, the most preferred one says why
+    spec = next((s for s in specs if set(s.cpu_flags) <= flags), specs[0])
     with _lock:
-        key = (Path(cache_dir), dtype)
+        key = (Path(cache_dir), spec.name)
         if key not in _loaded:
             try:
                 _loaded[key] = _build_and_load(spec, key[0] / "kernels")
@@ -170,7 +192,7 @@ def _build_and_load(spec: KernelSpec, out_dir: Path) -> RowsAttention:
     # the headers it includes are part of what is built
     source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
     digest = hashlib.sha256(source + " ".join(spec.cflags).encode() + cc.encode()).hexdigest()[:16]
-    path = out_dir / f"{source_path.stem}-{digest}.so"
+    path = out_dir / f"{spec.name}-{digest}.so"
     failed = path.with_suffix(".failed")  # a build that failed its self-check is not retried
     if failed.is_file():
         raise KernelUnavailable(failed.read_text().strip())

@@ -1,5 +1,6 @@
 /* One layer's attention for a sorted set of query rows, exact causal by absolute position, bf16 on
- * Intel AMX: CacheBlend's recomputed rows (scattered through the prompt) and full prefill (every row).
+ * Intel AMX (or AVX512-BF16, below): CacheBlend's recomputed rows (scattered through the prompt) and
+ * full prefill (every row).
  *
  * Query row r sits at absolute position pos[r] (ascending) and attends keys 0..pos[r]. Work is split
  * into tiles of 16 query rows of one KV head (GQA: a position's `rep` query heads are adjacent rows), so
@@ -14,6 +15,10 @@
  *      A row's O and sum are rescaled only when its running max grows by more than 2^RESCALE_LOG2; in
  *      between, probabilities are taken against the older, smaller max (still exact: they stay
  *      below 2^RESCALE_LOG2, far inside fp32 and bf16 range).
+ *
+ * Built with -DKVB_NO_AMX, the same file is the avx512bf16 kernel for CPUs with AVX512-BF16 but no AMX
+ * (AMD Zen 4): the same packed layouts, with S = Q K^T and O += P V on vdpbf16ps registers instead of
+ * tiles (see the KVB_NO_AMX block).
  *
  * Built at first use by kvblend/kernels/__init__.py (gcc -O3 -mamx-tile -mamx-bf16 -mavx512bf16 ...), and
  * loaded only where /proc/cpuinfo lists those features. */
@@ -39,6 +44,7 @@ typedef uint16_t bf16;
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
+#ifndef KVB_NO_AMX
 /* gcc 12's AMX intrinsics hide from the optimiser which memory they read: _tile_loadd declares none and
  * _tile_loadconfig 8 bytes. At -O3 it then dropped the tile config's colsb/rows stores (ldtilecfg faulted:
  * SIGSEGV), and it may sink stores to q/p buffers past the loads that read them. These declare it. */
@@ -68,6 +74,7 @@ static void load_tile_config(void) {
     }
     __asm__ volatile("ldtilecfg %0" : : "m"(cfg)); /* not _tile_loadconfig: see tile_loadd */
 }
+#endif
 
 typedef struct {
     const bf16 *q;        /* q[r, hq, :] at q + r * q_row_stride + hq * HEAD_DIM (pre-RoPE) */
@@ -167,6 +174,24 @@ static void prepare_block(job_t *job, int h, long b) {
     }
 }
 
+typedef struct {
+    bf16 q[ROWS * HEAD_DIM] __attribute__((aligned(64)));
+    float s[ROWS * STEP] __attribute__((aligned(64)));
+    bf16 p[ROWS * STEP] __attribute__((aligned(64)));
+    float o[ROWS * HEAD_DIM] __attribute__((aligned(64)));
+    float row_max[ROWS], row_sum[ROWS], alpha[ROWS];
+    int32_t pos[ROWS];
+} tile_state;
+
+/* o [ROWS][HEAD_DIM] row m *= alpha[m] (the rows whose running max grew). */
+static void scale_rows(float *o, const float *alpha) {
+    for (int m = 0; m < ROWS; m++)
+        for (int c = 0; c < HEAD_DIM; c += 16)
+            _mm512_store_ps(o + m * HEAD_DIM + c, _mm512_mul_ps(_mm512_load_ps(o + m * HEAD_DIM + c),
+                                                                _mm512_set1_ps(alpha[m])));
+}
+
+#ifndef KVB_NO_AMX
 /* O accumulator tiles 4..7 (16 fp32 columns each) <-> obuf [16][HEAD_DIM]; tile numbers must be constants. */
 static inline void store_o(float *obuf) {
     _tile_stored(4, obuf, HEAD_DIM * 4);
@@ -182,23 +207,22 @@ static inline void load_o(const float *obuf) {
     tile_loadd(7, obuf + 48, HEAD_DIM * 4);
 }
 
-static void rescale_o(const float *alpha, float *obuf) {
-    store_o(obuf);
-    for (int m = 0; m < ROWS; m++)
-        for (int c = 0; c < HEAD_DIM; c += 16)
-            _mm512_store_ps(obuf + m * HEAD_DIM + c, _mm512_mul_ps(_mm512_load_ps(obuf + m * HEAD_DIM + c),
-                                                                  _mm512_set1_ps(alpha[m])));
-    load_o(obuf);
+/* O lives in tiles 4..7 for the whole tile of rows: zeroed at its start, stored to st->o at its end. */
+static inline void o_begin(tile_state *st) {
+    (void)st;
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
 }
 
-typedef struct {
-    bf16 q[ROWS * HEAD_DIM] __attribute__((aligned(64)));
-    float s[ROWS * STEP] __attribute__((aligned(64)));
-    bf16 p[ROWS * STEP] __attribute__((aligned(64)));
-    float o[ROWS * HEAD_DIM] __attribute__((aligned(64)));
-    float row_max[ROWS], row_sum[ROWS], alpha[ROWS];
-    int32_t pos[ROWS];
-} tile_state;
+static inline void o_end(tile_state *st) { store_o(st->o); }
+
+static void o_rescale(tile_state *st) {
+    store_o(st->o);
+    scale_rows(st->o, st->alpha);
+    load_o(st->o);
+}
 
 /* S[:, 0 : 32 * num_sub] = Q K^T for the 32-key blocks blk0 .. blk0 + num_sub - 1. */
 static inline void scores(const tile_state *st, const uint32_t *kp, long blk0, int num_sub, float *s) {
@@ -236,6 +260,58 @@ static inline void accumulate_pv(const tile_state *st, const bf16 *vp, long blk0
         _tile_dpbf16ps(7, 0, 1);
     }
 }
+
+#else /* KVB_NO_AMX */
+/* The same layouts, dot products on AVX512-BF16 registers (vdpbf16ps: 16 fp32 lanes, each the dot
+ * product of one bf16 pair), for CPUs with AVX512-BF16 but no AMX (AMD Zen 4). A broadcast dword of Q
+ * (two adjacent dims of one row) against a kp row (that dim pair of 16 keys) gives 16 scores of one row;
+ * a broadcast dword of P (two adjacent keys) against a vp row (those keys' 16 columns) gives 16 outputs. */
+static inline void o_begin(tile_state *st) { memset(st->o, 0, sizeof st->o); }
+
+static inline void o_end(tile_state *st) { (void)st; }
+
+static void o_rescale(tile_state *st) { scale_rows(st->o, st->alpha); }
+
+/* S[:, 0 : 32 * num_sub] = Q K^T, one 16-key block at a time: ROWS accumulators, one K load per dim pair. */
+static inline void scores(const tile_state *st, const uint32_t *kp, long blk0, int num_sub, float *s) {
+    const uint32_t *q = (const uint32_t *)st->q; /* row m's dim pair i: q[m * PAIRS + i] */
+    for (int b = 0; b < 2 * num_sub; b++) {
+        const uint32_t *kb = kp + (2 * blk0 + b) * PAIRS * 16;
+        __m512 acc[ROWS];
+#pragma GCC unroll 16
+        for (int m = 0; m < ROWS; m++) acc[m] = _mm512_setzero_ps();
+        for (int i = 0; i < PAIRS; i++) {
+            const __m512bh k = (__m512bh)_mm512_load_si512(kb + i * 16);
+#pragma GCC unroll 16
+            for (int m = 0; m < ROWS; m++)
+                acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32((int)q[m * PAIRS + i]), k);
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < ROWS; m++) _mm512_store_ps(s + m * STEP + 16 * b, acc[m]);
+    }
+}
+
+/* O += P V for the same blocks, 16 columns of O at a time held in ROWS registers. */
+static inline void accumulate_pv(tile_state *st, const bf16 *vp, long blk0, int num_sub) {
+    const uint32_t *p = (const uint32_t *)st->p; /* row m's key pair j of the step: p[m * STEP / 2 + j] */
+    for (int c0 = 0; c0 < HEAD_DIM; c0 += 16) {
+        __m512 acc[ROWS];
+#pragma GCC unroll 16
+        for (int m = 0; m < ROWS; m++) acc[m] = _mm512_load_ps(st->o + m * HEAD_DIM + c0);
+        for (int j = 0; j < num_sub * KB / 2; j++) {
+            /* vp[blk][i][c][t] = V[32 blk + 2 i + t][c]: pair j of the step is pair j % 16 of block j / 16 */
+            const bf16 *vb = vp + (blk0 + j / (KB / 2)) * KB * HEAD_DIM + ((j % (KB / 2)) * HEAD_DIM + c0) * 2;
+            const __m512bh v = (__m512bh)_mm512_load_si512(vb);
+#pragma GCC unroll 16
+            for (int m = 0; m < ROWS; m++)
+                acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32((int)p[m * (STEP / 2) + j]), v);
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < ROWS; m++) _mm512_store_ps(st->o + m * HEAD_DIM + c0, acc[m]);
+    }
+}
+
+#endif
 
 /* Row maxima (scaled to log2 units) of st->s [16][32 * num_sub]; keys after a row's position excluded. */
 static void row_maxima(const tile_state *st, const float *sbuf, long key0, int num_sub, int masked, float c,
@@ -308,7 +384,7 @@ static void softmax_step(tile_state *st, const float *sbuf, long key0, int num_s
             }
             st->row_sum[m] *= st->alpha[m];
         }
-        rescale_o(st->alpha, st->o);
+        o_rescale(st);
     }
     for (int m = 0; m < ROWS; m++) st->row_sum[m] += step_sum[m];
 }
@@ -345,10 +421,7 @@ static void attend_tile(job_t *job, int h, long m0) {
     const float c = job->scale * 1.4426950408889634f; /* softmax in base 2 */
     const uint32_t *kp = job->kp + (long)h * job->num_blocks * 2 * PAIRS * 16;
     const bf16 *vp = job->vp + (long)h * job->num_blocks * KB * HEAD_DIM;
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
+    o_begin(&st);
     for (long key0 = 0; key0 < num_keys; key0 += STEP) {
         const int num_sub = sub_blocks(num_keys, key0);
         const int masked = key0 + num_sub * KB - 1 > first;
@@ -356,7 +429,7 @@ static void attend_tile(job_t *job, int h, long m0) {
         softmax_step(&st, st.s, key0, num_sub, masked, c, key0 == 0);
         accumulate_pv(&st, vp, key0 / KB, num_sub);
     }
-    store_o(st.o);
+    o_end(&st);
     for (int m = 0; m < valid; m++) {
         long qi = m0 + m, r = qi / rep;
         bf16 *dst = job->out + r * job->out_row_stride + (long)(h * rep + qi % rep) * HEAD_DIM;
@@ -382,7 +455,14 @@ static void attend_item(void *job, long item) {
     attend_tile(jb, h, m0);
 }
 
+#ifndef KVB_NO_AMX
 static void tile_release(void) { _tile_release(); }
+#define THREAD_BEGIN load_tile_config /* each thread's tile shapes, and releasing its tile state */
+#define THREAD_END tile_release
+#else
+#define THREAD_BEGIN NULL
+#define THREAD_END NULL
+#endif
 
 /* Bytes of scratch a call with these sizes needs (packed K and V), 64-byte aligned. */
 long kvb_rows_attention_scratch_bytes(long num_keys, int num_kv_heads) {
@@ -411,7 +491,6 @@ int kvb_rows_attention(const bf16 *q, long q_row_stride, const bf16 *k, long k_h
     job.kp = (uint32_t *)scratch;
     job.vp = (bf16 *)((char *)scratch + kvb_rows_attention_scratch_bytes(num_keys, num_kv_heads) / 2);
     run_parallel(&job, prepare_item, (long)num_kv_heads * job.num_blocks, job.num_threads, NULL, NULL);
-    run_parallel(&job, attend_item, job.tiles_per_head * num_kv_heads, job.num_threads, load_tile_config,
-                 tile_release);
+    run_parallel(&job, attend_item, job.tiles_per_head * num_kv_heads, job.num_threads, THREAD_BEGIN, THREAD_END);
     return 0;
 }

@@ -1,0 +1,91 @@
+"""Full prefill and blend@R of one MuSiQue prompt on several (dtype, attention kernel) engines, interleaved
+round by round, so a busy host slows every engine alike. Answers "which dtype and kernel should this CPU
+run?" with ratios measured in one run.
+
+    .venv/bin/python scripts/compare_kernels.py [--engines float32/avx2,bfloat16/torch,bfloat16/avx512bf16]
+        [--example 0] [--rounds 4] [--ratio 0.15] [--threads 2] [--out bench/results/kernels-....json]
+
+The first round warms every engine (kernels built, buffers pooled) and is not counted. Each engine prints
+its median TTFT per mode and the first token (the engines should agree on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvblend.bench.data import DEFAULT_MUSIQUE, load_musique  # noqa: E402
+from kvblend.bench.engine_bench import bench_segments  # noqa: E402
+from kvblend.config import BlendConfig, EngineConfig, ModelConfig, cpu_model_name  # noqa: E402
+from kvblend.engine.engine import create_engine  # noqa: E402
+from kvblend.engine.request import GenerationRequest, SamplingParams  # noqa: E402
+
+
+def create_engines(names: list[str], threads: int) -> dict:
+    engines = {}
+    for name in names:
+        dtype, _, kernel = name.partition("/")
+        cfg = ModelConfig(dtype=dtype, num_threads=threads, attention_kernel=kernel or "auto")
+        # every request recomputes: no chained blended-prefix entries, so rounds measure the same work
+        engines[name] = create_engine(EngineConfig(model=cfg, blend=BlendConfig(store_blended_prefix=False)))
+    return engines
+
+
+def run_rounds(engines: dict, segs: dict, modes: list[tuple[str, float | None]], rounds: int) -> dict:
+    ttft = {(name, mode): [] for name in engines for mode, _ in modes}
+    first = {}
+    for rnd in range(rounds + 1):
+        for name, engine in engines.items():
+            for mode, ratio in modes:
+                res = engine.run(GenerationRequest(segs[name], SamplingParams(max_tokens=1), mode=mode,
+                                                   recompute_ratio=ratio))
+                if rnd:  # round 0 warms up
+                    ttft[(name, mode)].append(res.stats.ttft_ms)
+                first[(name, mode)] = int(res.first_token_logits.argmax())
+    return {name: {mode: {"median_ttft_ms": statistics.median(ttft[(name, mode)]), "ttft_ms": ttft[(name, mode)],
+                          "first_token": first[(name, mode)]} for mode, _ in modes} for name in engines}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engines", default="float32/avx2,bfloat16/torch,bfloat16/avx512bf16",
+                   help="comma-separated dtype/kernel (kernel: auto, amx, avx512bf16, avx2, torch)")
+    p.add_argument("--example", type=int, default=0, help="MuSiQue example index")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--ratio", type=float, default=0.15, help="blend's recompute ratio")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None, help="JSON path (default: print only)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    engines = create_engines(args.engines.split(","), args.threads)
+    ex = load_musique(DEFAULT_MUSIQUE, limit=args.example + 1)[args.example]
+    segs = {}
+    for name, engine in engines.items():
+        segs[name] = bench_segments(engine, list(reversed(ex.passages)), ex.question)
+        engine.precompute(segs[name].chunk_ids)
+    blend = f"blend@{args.ratio:g}"
+    results = run_rounds(engines, segs, [("full", None), ("blend", args.ratio)], args.rounds)
+    for name, res in results.items():
+        res[blend] = res.pop("blend")
+        full, part = res["full"]["median_ttft_ms"], res[blend]["median_ttft_ms"]
+        res["speedup"] = full / part
+        print(f"{name} ({engines[name].attention_kernel}): full {full:.0f} ms, {blend} {part:.0f} ms "
+              f"({full / part:.2f}x); first tokens {res['full']['first_token']} / {res[blend]['first_token']}")
+    if args.out:
+        out = {"cpu": cpu_model_name(), "threads": args.threads, "example": args.example, "rounds": args.rounds,
+               "prompt_tokens": next(iter(segs.values())).num_tokens, "engines": results}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
