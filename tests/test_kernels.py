@@ -159,6 +159,32 @@ def test_attention_kernel_setting():
         create_engine(EngineConfig(model=ModelConfig(dtype="float32", attention_kernel="avx512bf16")))
 
 
+def test_bf16_falls_back_to_avx512bf16_when_the_amx_build_fails(tmp_path, monkeypatch):
+    """A failed AMX build (gcc 12 once miscompiled it) leaves the AVX512-BF16 build of the same source,
+    not PyTorch; the AMX build's reason is still the one reported when neither can run."""
+    from kvblend import kernels
+
+    if not set(KERNELS_BY_NAME["avx512bf16"].cpu_flags) <= kernels.cpu_flags():
+        pytest.skip("this CPU lacks AVX512-BF16")
+    real = kernels._build_and_load
+
+    def amx_fails(spec, out_dir):
+        if spec.name == "amx":
+            raise KernelUnavailable("the amx kernel failed its self-check: simulated")
+        return real(spec, out_dir)
+
+    monkeypatch.setattr(kernels, "_build_and_load", amx_fails)
+    assert load_rows_attention(tmp_path / "a", torch.bfloat16).name == "avx512bf16"
+    with pytest.raises(KernelUnavailable, match="simulated"):
+        load_rows_attention(tmp_path / "b", torch.bfloat16, "amx")
+    def every_build_fails(spec, out_dir):
+        raise KernelUnavailable(f"{spec.name} unavailable")
+
+    monkeypatch.setattr(kernels, "_build_and_load", every_build_fails)
+    with pytest.raises(KernelUnavailable, match="^amx unavailable"):
+        load_rows_attention(tmp_path / "c", torch.bfloat16)
+
+
 BROKEN_KERNELS = {
     # a kernel that dies: the self-check must catch it in its subprocess, not in the caller
     "crash": "*(volatile int *)0 = 1;",

@@ -157,21 +157,29 @@ _loaded: dict[tuple[Path, str], RowsAttention | KernelUnavailable] = {}
 def load_rows_attention(cache_dir: Path, dtype: torch.dtype = torch.bfloat16, name: str | None = None) -> RowsAttention:
     """The compiled kernel for ``dtype`` (bfloat16: AMX, else AVX512-BF16; float32: AVX2), or the build
     ``name``, built once per source/flags into ``cache_dir``/kernels, or ``KernelUnavailable`` with the
-    reason. Thread-safe; cached per process."""
+    reason. Builds are tried most preferred first, so an AMX build that fails its self-check leaves
+    AVX512-BF16. Thread-safe; cached per process."""
     specs = kernels_for(dtype)
     if name is not None:
         specs = tuple(spec for spec in specs if spec.name == name)
     if not specs:
         which = f"the {name} kernel does not run" if name else "no native kernel runs"
         raise KernelUnavailable(f"{which} {dtype_name(dtype)} (amx and avx512bf16 run bfloat16, avx2 float32)")
-    flags = cpu_flags()
-    # the first build whose CPU features are all here; where none is, the most preferred one says why
-    spec = next((s for s in specs if set(s.cpu_flags) <= flags), specs[0])
+    first_error = None
+    for spec in specs:
+        try:
+            return _load_cached(spec, Path(cache_dir))
+        except KernelUnavailable as e:
+            first_error = first_error or e  # the most preferred build's reason is the one to report
+    raise first_error
+
+
+def _load_cached(spec: KernelSpec, cache_dir: Path) -> RowsAttention:
     with _lock:
-        key = (Path(cache_dir), spec.name)
+        key = (cache_dir, spec.name)
         if key not in _loaded:
             try:
-                _loaded[key] = _build_and_load(spec, key[0] / "kernels")
+                _loaded[key] = _build_and_load(spec, cache_dir / "kernels")
             except KernelUnavailable as e:
                 _loaded[key] = e
         result = _loaded[key]
