@@ -18,9 +18,9 @@ DEVIATION_KINDS = ("v", "k", "kv")
 SELECTION_KINDS = ("deviation", "query", "lookahead")
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 # CPU features that make bf16 prefill pay: AMX tiles (the amx attention kernel) or AVX-512 BF16 (Zen 4: the
-# avx512bf16 kernel; bf16 matmuls ran 2.4x faster than fp32 there, and one 6,254-token full prefill took
-# 8.8 s in bf16 against 19.3 s in fp32). Without any native bf16 oneDNN emulates it, several times slower
-# than fp32 (measured 7.6x on an AVX2-only EPYC).
+# avx512bf16 kernel; one 6,254-token prompt, interleaved, took 8.0 s for full prefill in bf16 against 17.8 s
+# in fp32, 1.5 s for blend@0.15 against 3.3 s). Without any native bf16 oneDNN emulates it, several times
+# slower than fp32 (measured 7.6x on an AVX2-only EPYC).
 NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 # Prefill attention: "auto" uses the native kernel (kvblend/kernels) for the engine's dtype where it applies
 # (head_dim 64 on the CPU: bf16 with AMX or else AVX512-BF16, fp32 with AVX2 + FMA) and PyTorch's kernels
