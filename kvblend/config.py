@@ -165,8 +165,10 @@ def parse_selection(text: str) -> tuple[str, int | None]:
     validate_selection(kind)
     if not sep:
         return kind, None
-    if kind != "lookahead" or not depth.isdigit():
+    if kind != "lookahead":
         raise ValueError(f"only lookahead takes a layer count ('lookahead:8'), got {text!r}")
+    if not depth.isdigit():
+        raise ValueError(f"lookahead's layer count must be a whole number ('lookahead:8'), got {text!r}")
     return kind, validate_lookahead_layers(int(depth))
 
 

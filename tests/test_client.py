@@ -118,6 +118,10 @@ def test_mode_specs():
     assert spec.label == "blend@0.15/lookahead" and spec.extra_body() == {
         "mode": "blend", "recompute_ratio": 0.15, "selection": "lookahead"}
     assert parse_mode_spec("blend/query").extra_body() == {"mode": "blend", "selection": "query"}
+    spec = parse_mode_spec("blend@0.15/lookahead:8")  # the reuse pass's first 8 layers, as bench engine says it
+    assert spec.label == "blend@0.15/lookahead:8" and spec.extra_body()["selection"] == "lookahead:8"
+    with pytest.raises(ValueError, match="only lookahead takes a layer count"):
+        parse_mode_spec("blend@0.15/query:8")
     assert [m.label for m in parse_mode_list("full, reuse,blend@0.5")] == ["full", "reuse", "blend@0.5"]
     assert kvblend_override(None) == {}
     with pytest.raises(ValueError, match="unknown prefill mode"):

@@ -126,6 +126,9 @@ def test_mode_and_ratio_overrides(client):
     r = chat(client, messages=[{"role": "user", "content": "Any?"}],
              extra_body={"documents": ds, "mode": "blend", "recompute_ratio": 0.5, "selection": "query"})
     assert kv(r)["selection"] == "query" and kv(r)["recomputed_tokens"] > 0
+    r = chat(client, messages=[{"role": "user", "content": "Any?"}],  # lookahead over its first 2 layers
+             extra_body={"documents": ds, "mode": "blend", "recompute_ratio": 0.5, "selection": "lookahead:2"})
+    assert kv(r)["selection"] == "lookahead:2" and kv(r)["recomputed_tokens"] > 0
 
 
 def test_tenants_do_not_share_chunks(server, client):
@@ -170,7 +173,7 @@ def test_unknown_model_404(client):
 @pytest.mark.parametrize("kwargs, param", [
     ({"temperature": 5}, "temperature"), ({"n": 2}, "n"), ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
     ({"extra_body": {"mode": "turbo"}}, "mode"), ({"extra_body": {"recompute_ratio": 2}}, "recompute_ratio"),
-    ({"extra_body": {"selection": "best"}}, "selection"),
+    ({"extra_body": {"selection": "best"}}, "selection"), ({"extra_body": {"selection": "lookahead:x"}}, "selection"),
 ])
 def test_bad_params_400(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:

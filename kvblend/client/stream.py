@@ -41,8 +41,9 @@ def kvblend_override(mode: str | None, ratio: float | None = None, selection: st
 @dataclass(frozen=True)
 class ModeSpec:
     """A prefill mode as named on the command line: ``full``, ``reuse``, ``blend``, ``blend@0.15``,
-    ``blend@0.15/lookahead`` (a token selection, as `bench engine` names its rows); ``default`` sends no
-    override (the server's own default; the only choice for non-kvblend servers)."""
+    ``blend@0.15/lookahead`` or ``blend@0.15/lookahead:8`` (a token selection, as `bench engine` names its
+    rows); ``default`` sends no override (the server's own default; the only choice for non-kvblend
+    servers)."""
 
     mode: str
     ratio: float | None = None
@@ -58,7 +59,7 @@ class ModeSpec:
 
 
 def parse_mode_spec(text: str) -> ModeSpec:
-    from kvblend.config import validate_mode, validate_ratio, validate_selection
+    from kvblend.config import parse_selection, validate_mode, validate_ratio
 
     spec, _, selection = text.strip().partition("/")
     mode, _, ratio = spec.partition("@")
@@ -67,8 +68,9 @@ def parse_mode_spec(text: str) -> ModeSpec:
     validate_mode(mode)
     if (ratio or selection) and mode != "blend":
         raise ValueError(f"only blend takes a ratio or a token selection ('blend@0.15/lookahead'), got {text!r}")
-    return ModeSpec(mode, validate_ratio(float(ratio)) if ratio else None,
-                    validate_selection(selection) if selection else None)
+    if selection:
+        parse_selection(selection)  # an unknown selection (or a depth on anything but lookahead) raises
+    return ModeSpec(mode, validate_ratio(float(ratio)) if ratio else None, selection or None)
 
 
 def parse_mode_list(text: str) -> list[ModeSpec]:

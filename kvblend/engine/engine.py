@@ -58,13 +58,18 @@ class _Choice:
     lookahead_layers: int  # 0 = every layer; else fewer than the model's layers
 
     @property
+    def selection_label(self) -> str:
+        """The selection as requests and benches spell it: "lookahead:8" for a shortened reuse pass."""
+        depth = f":{self.lookahead_layers}" if self.selection == "lookahead" and self.lookahead_layers else ""
+        return f"{self.selection}{depth}"
+
+    @property
     def chain_tag(self) -> str:
         """Part of chained (blended-prefix) keys: blended KV depends on the mode, ratio and selection, so
         entries of one never serve another."""
         if self.mode != "blend" or self.selection == "deviation":
             return f"{self.mode}@{self.ratio:g}"
-        depth = f":{self.lookahead_layers}" if self.selection == "lookahead" and self.lookahead_layers else ""
-        return f"{self.mode}@{self.ratio:g}/{self.selection}{depth}"
+        return f"{self.mode}@{self.ratio:g}/{self.selection_label}"
 
 
 @dataclass
@@ -230,7 +235,8 @@ class Engine:
         mode, ratio, selection = choice.mode, choice.ratio, choice.selection
         for attempt in range(2):
             stats = PrefillStats(mode=mode, recompute_ratio=ratio if mode == "blend" else (0.0 if mode == "reuse" else 1.0),
-                                 selection=selection if mode == "blend" else None, prompt_tokens=num_tokens)
+                                 selection=choice.selection_label if mode == "blend" else None,
+                                 prompt_tokens=num_tokens)
             plan, stored, to_store, loader = self._plan(segs, choice, request.namespace, stats, cache, k_work)
             t_loaded = time.perf_counter()
             try:

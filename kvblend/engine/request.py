@@ -47,7 +47,7 @@ class PrefillStats:
 
     mode: str
     recompute_ratio: float
-    selection: str | None = None  # blend's token selection; None for the other modes
+    selection: str | None = None  # blend's token selection ("lookahead:8": its depth); None for other modes
     prompt_tokens: int = 0
     reused_tokens: int = 0  # loaded from the store and used as is
     recomputed_tokens: int = 0  # loaded, then selected and recomputed past the check layer

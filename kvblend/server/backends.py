@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Union
 
 from kvblend.blend.segmenter import build_completion_segments
-from kvblend.config import ModelEntry, ServerConfig, StoreConfig
+from kvblend.config import ModelEntry, ServerConfig, StoreConfig, parse_selection
 from kvblend.engine.request import GenerationRequest, GenerationResult, PrefillStats, SamplingParams, TokenEvent
 from kvblend.engine.scheduler import Failed, QueueFullError, Scheduler, SchedulerClosedError, Started
 from kvblend.server import errors
@@ -105,8 +105,9 @@ def build_request(engine, job: GenerationJob, default_max_tokens: int) -> Genera
     max_tokens = job.max_tokens or max(1, min(default_max_tokens, limit - n))
     sampling = SamplingParams(max_tokens=max_tokens, temperature=job.temperature, top_p=job.top_p,
                               stop=list(job.stop), seed=job.seed)
+    selection, depth = parse_selection(job.selection) if job.selection else (None, None)  # "lookahead:8"
     return GenerationRequest(segs, sampling, mode=job.mode, recompute_ratio=job.recompute_ratio,
-                             selection=job.selection, namespace=job.namespace)
+                             selection=selection, lookahead_layers=depth, namespace=job.namespace)
 
 
 def map_engine_error(e: BaseException) -> errors.APIError:

@@ -2,17 +2,28 @@
 
 Unknown request fields are ignored (``extra="ignore"``), as OpenAI-compatible servers do for
 parameters they do not implement (presence_penalty, logit_bias, user, ...). Extensions, sent by the
-OpenAI SDK through ``extra_body``: ``documents``, ``mode``, ``recompute_ratio``, ``selection``.
+OpenAI SDK through ``extra_body``: ``documents``, ``mode``, ``recompute_ratio``, ``selection``
+(deviation, query, lookahead, or lookahead:N: the reuse pass's first N layers).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from kvblend.config import parse_selection
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
-Selection = Literal["deviation", "query", "lookahead"]  # blend's token selection (kvblend.config.SELECTION_KINDS)
+
+
+def _valid_selection(text: str) -> str:
+    parse_selection(text)  # a ValueError names what is accepted
+    return text
+
+
+# blend's token selection (kvblend.config.SELECTION_KINDS), or "lookahead:N"
+Selection = Annotated[str, AfterValidator(_valid_selection)]
 
 
 class _Request(BaseModel):
