@@ -110,6 +110,15 @@ def test_bench_engine_rejects_an_offset_past_the_data(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_generate_takes_a_lookahead_depth_and_names_a_bad_one():
+    """`generate --selection` spells selections as `bench engine` does (lookahead:8); a bad one is an
+    argparse error naming what is accepted, before any model loads."""
+    proc = subprocess.run([sys.executable, "-m", "kvblend.cli", "generate", "--question", "hi", "--selection",
+                           "lookahead:x"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "lookahead's layer count must be a whole number" in proc.stderr.strip().splitlines()[-1]
+
+
 def test_model_and_device_errors_are_one_line(tmp_path):
     """A device that is not there (cuda:7: no CUDA on a CPU-only build, too few GPUs elsewhere), a malformed
     device and a missing model path each end the CLI with one line, no traceback and no JSON."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvblend.config import SELECTION_KINDS
+from kvblend.config import parse_selection
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,15 +19,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--mode", default="blend", choices=["full", "prefix", "reuse", "blend"])
     p.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio in [0, 1]")
-    p.add_argument("--selection", default=None, choices=SELECTION_KINDS,
+    p.add_argument("--selection", default=None, type=_selection,
                    help="which chunk tokens blend recomputes: deviation (largest KV deviation at the check layer), "
                         "query (most attended by the query there) or lookahead (most attended by the query over "
-                        "all layers of a reuse pass run first); default: the engine's")
+                        "all layers of a reuse pass run first; lookahead:N over its first N); default: the engine's")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print the text and prefill stats as JSON")
+
+
+def _selection(text: str) -> tuple[str, int | None]:
+    """--selection: (kind, lookahead depth or None); argparse prints the error on one line."""
+    try:
+        return parse_selection(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _read_docs(path: str) -> list[str]:
@@ -52,8 +60,9 @@ def run(args) -> int:
     segs = engine.segments(docs, args.question, instruction=args.instruction)
     if args.mode in ("reuse", "blend"):
         engine.precompute(segs.chunk_ids)  # a one-shot run has an empty store: fill it first, untimed
+    selection, depth = args.selection or (None, None)
     result = engine.run(GenerationRequest(segs, sampling, mode=args.mode, recompute_ratio=args.ratio,
-                                          selection=args.selection))
+                                          selection=selection, lookahead_layers=depth))
     if args.json:
         print(json.dumps({"text": result.text, "finish_reason": result.finish_reason, **result.stats.as_dict()}))
     else:
