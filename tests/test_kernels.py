@@ -19,7 +19,7 @@ from engine_fixtures import embedded_engine, musique_docs
 from kvblend.config import EngineConfig, ModelConfig
 from kvblend.engine.engine import create_engine
 from kvblend.engine.request import GenerationRequest, SamplingParams
-from kvblend.kernels import KERNEL_SPECS, KERNELS_BY_NAME, KernelUnavailable, load_rows_attention
+from kvblend.kernels import KERNEL_SPECS, KERNELS_BY_NAME, KernelUnavailable, dtype_name, load_rows_attention
 from kvblend.kernels.selfcheck import rope_half_tables as _rope_half, rotate as _rotate
 
 # output atol, rotated-key (atol, rtol) per kernel dtype
@@ -116,14 +116,14 @@ def test_bad_arguments_are_rejected(kernel):
     with pytest.raises(ValueError, match="positions"):
         kernel(q, k, k, None, None, torch.tensor([3, 20]), 0.125, out, scratch, 1)  # a row past the keys
     other = torch.float16
-    with pytest.raises(ValueError, match=f"{str(kernel.dtype).removeprefix('torch.')} CPU tensor"):
+    with pytest.raises(ValueError, match=f"{dtype_name(kernel.dtype)} CPU tensor"):
         kernel(q.to(other), k, k, None, None, torch.tensor([3, 4]), 0.125, out, scratch, 1)
 
 
 def test_engine_prefill_with_kernel_matches_pytorch_kernels(kernel):
     """The same prompt through full and blend@0.15 with the native kernel and with PyTorch's kernels: the
     same first token, logits within 1.0 in bf16 (the repo's bf16 tolerance) and 1e-3 in fp32."""
-    dtype = str(kernel.dtype).removeprefix("torch.")
+    dtype = dtype_name(kernel.dtype)
     native = embedded_engine(dtype, attention_kernel=kernel.name)
     assert native.attention_kernel == kernel.name
     ref = create_engine(EngineConfig(model=ModelConfig(dtype=dtype, num_threads=2, attention_kernel="torch")))

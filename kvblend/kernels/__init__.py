@@ -144,7 +144,7 @@ class RowsAttention:
 
     def _check_tensor(self, t: torch.Tensor, name: str) -> None:
         if t.dtype != self.dtype or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a {str(self.dtype).removeprefix('torch.')} CPU tensor "
+            raise ValueError(f"{name} must be a {dtype_name(self.dtype)} CPU tensor "
                              f"(the {self.name} kernel), got {t.dtype} on {t.device}")
         if name != "out" and (t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]):
             raise ValueError(f"{name} needs contiguous [*, rows, head_dim] rows, got strides {t.stride()}")
