@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PREFILL_MODES = ("full", "prefix", "reuse", "blend")
-DEVIATION_KINDS = ("v", "k", "kv")
+# What a check layer compares (kvblend/blend/selection.py): the fresh vs cached values, keys or both (the
+# paper's KV deviation), or "attn": a row's attention output over every key vs over its own chunk and the
+# prompt's prefix only (what it saw when cached), measurable from layer 0 on.
+DEVIATION_KINDS = ("v", "k", "kv", "attn")
 # How a check layer picks the chunk tokens to keep recomputing (kvblend/blend/selection.py).
 SELECTION_KINDS = ("deviation", "query", "lookahead")
 DTYPES = ("auto", "bfloat16", "float32", "float16")
@@ -109,8 +112,9 @@ class BlendConfig:
     mode: str = "blend"
     recompute_ratio: float = 0.15
     # Layers where token deviation is measured. One entry = the paper's single check layer;
-    # several with shrinking check_ratios = gradual filtering.
-    check_layers: tuple[int, ...] = (1,)
+    # several with shrinking check_ratios = gradual filtering. Empty: the deviation's first useful layer,
+    # 1 for the KV kinds (layer-0 KV is context-free), 0 for "attn".
+    check_layers: tuple[int, ...] = ()
     check_ratios: tuple[float, ...] = ()  # empty: every check layer uses recompute_ratio
     deviation: str = "v"
     # "deviation": the tokens whose fresh KV deviates most from the cached (CacheBlend). "query": the
@@ -129,10 +133,14 @@ class BlendConfig:
     def __post_init__(self):
         validate_mode(self.mode)
         validate_ratio(self.recompute_ratio)
-        self.check_layers = tuple(int(x) for x in self.check_layers)
+        if self.deviation not in DEVIATION_KINDS:
+            raise ValueError(f"deviation must be one of {DEVIATION_KINDS}, got {self.deviation!r}")
+        first_layer = 0 if self.deviation == "attn" else 1
+        self.check_layers = tuple(int(x) for x in self.check_layers) or (first_layer,)
         self.check_ratios = tuple(float(x) for x in self.check_ratios)
-        if not self.check_layers or min(self.check_layers) < 1:
-            raise ValueError("check_layers must be non-empty and >= 1 (layer-0 KV is context-free)")
+        if min(self.check_layers) < first_layer:
+            raise ValueError(f"check_layers must be >= 1 with deviation {self.deviation!r} (layer-0 KV is "
+                             "context-free; deviation 'attn' can check layer 0)")
         if list(self.check_layers) != sorted(set(self.check_layers)):
             raise ValueError("check_layers must be strictly increasing")
         if self.check_ratios:
@@ -140,8 +148,6 @@ class BlendConfig:
                 raise ValueError("check_ratios needs one ratio per check layer")
             for r in self.check_ratios:
                 validate_ratio(r)
-        if self.deviation not in DEVIATION_KINDS:
-            raise ValueError(f"deviation must be one of {DEVIATION_KINDS}, got {self.deviation!r}")
         validate_selection(self.selection)
         validate_lookahead_layers(self.lookahead_layers)
 

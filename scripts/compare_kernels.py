@@ -1,9 +1,12 @@
-"""Full prefill and blend@R of one MuSiQue prompt on several (dtype, attention kernel) engines, interleaved
-round by round, so a busy host slows every engine alike. Answers "which dtype and kernel should this CPU
-run?" with ratios measured in one run.
+"""Full prefill and blend@R of one MuSiQue prompt on several (dtype, attention kernel[, deviation]) engines,
+interleaved round by round, so a busy host slows every engine alike. Answers "which dtype and kernel should
+this CPU run?" (and "what does a check cost?") with ratios measured in one run.
 
     .venv/bin/python scripts/compare_kernels.py [--engines float32/avx2,bfloat16/torch,bfloat16/avx512bf16]
         [--example 0] [--rounds 4] [--ratio 0.15] [--threads 2] [--out bench/results/kernels-....json]
+
+An engine is dtype/kernel or dtype/kernel/deviation (``bfloat16/auto/v,bfloat16/auto/attn``: blend's check
+by V deviation at layer 1 against attention-output deviation at layer 0; default: BlendConfig's).
 
 The first round warms every engine (kernels built, buffers pooled) and is not counted. Each engine prints
 its median TTFT per mode and the first token (the engines should agree on it).
@@ -31,10 +34,12 @@ from kvblend.engine.request import GenerationRequest, SamplingParams  # noqa: E4
 def create_engines(names: list[str], threads: int) -> dict:
     engines = {}
     for name in names:
-        dtype, _, kernel = name.partition("/")
+        dtype, _, rest = name.partition("/")
+        kernel, _, deviation = rest.partition("/")
         cfg = ModelConfig(dtype=dtype, num_threads=threads, attention_kernel=kernel or "auto")
         # every request recomputes: no chained blended-prefix entries, so rounds measure the same work
-        engines[name] = create_engine(EngineConfig(model=cfg, blend=BlendConfig(store_blended_prefix=False)))
+        blend = BlendConfig(store_blended_prefix=False, **({"deviation": deviation} if deviation else {}))
+        engines[name] = create_engine(EngineConfig(model=cfg, blend=blend))
     return engines
 
 
@@ -56,7 +61,8 @@ def run_rounds(engines: dict, segs: dict, modes: list[tuple[str, float | None]],
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", default="float32/avx2,bfloat16/torch,bfloat16/avx512bf16",
-                   help="comma-separated dtype/kernel (kernel: auto, amx, avx512bf16, avx2, torch)")
+                   help="comma-separated dtype/kernel[/deviation] (kernel: auto, amx, avx512bf16, avx2, torch; "
+                        "deviation: v, k, kv, attn)")
     p.add_argument("--example", type=int, default=0, help="MuSiQue example index")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--ratio", type=float, default=0.15, help="blend's recompute ratio")

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvblend.bench.data import DEFAULT_MUSIQUE, load_musique  # noqa: E402
 from kvblend.bench.engine_bench import bench_segments  # noqa: E402
 from kvblend.client.stream import ModeSpec, parse_mode_spec  # noqa: E402
-from kvblend.config import BlendConfig, EngineConfig, ModelConfig  # noqa: E402
+from kvblend.config import BlendConfig, EngineConfig, ModelConfig, parse_selection  # noqa: E402
 from kvblend.engine.engine import create_engine  # noqa: E402
 from kvblend.engine.request import GenerationRequest, SamplingParams  # noqa: E402
 from kvblend.models.transformer import TransformerOps  # noqa: E402
@@ -56,8 +56,9 @@ def expanded_attend(self, q, k, v, mask, causal=True):
 
 def one_token_request(segs, spec: ModeSpec) -> GenerationRequest:
     """``spec`` as `eval` names modes (blend@0.15/lookahead); a bare blend takes the engine's ratio."""
+    selection, depth = parse_selection(spec.selection) if spec.selection else (None, None)  # "lookahead:8"
     return GenerationRequest(segs, SamplingParams(max_tokens=1), mode=spec.mode, recompute_ratio=spec.ratio,
-                             selection=spec.selection)
+                             selection=selection, lookahead_layers=depth)
 
 
 def time_mode(engine, segs, spec: ModeSpec, repeats: int) -> list[float]:

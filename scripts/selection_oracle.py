@@ -6,6 +6,8 @@ recomputed chunk rows are chosen by the engine's selections and by two oracles t
 Every variant recomputes the same number of chunk rows (``num_to_keep(ratio, chunk rows)``) plus the query;
 the prefix is exact. Variants:
   deviation      the engine's default: V deviation at check layer 1 (rows narrowed there)
+  attn           the engine's --deviation attn: layer-0 attention output over every key vs over the
+                 prefix and the row's own chunk (rows narrowed after layer 0's attention)
   lookahead      the engine's: query attention summed over a reuse pass, rows recomputed from layer 0
   lookahead:N    the same over the reuse pass's first N layers only (BlendConfig.lookahead_layers)
   random         uniform random chunk rows, recomputed from layer 0 (the floor)
@@ -37,7 +39,7 @@ from kvblend.config import EngineConfig, ModelConfig, parse_selection  # noqa: E
 from kvblend.engine.engine import create_engine  # noqa: E402
 from kvblend.store.memory import MemoryStore  # noqa: E402
 
-VARIANTS = ("deviation", "lookahead", "random", "oracle-attn", "oracle-dev")
+VARIANTS = ("deviation", "attn", "lookahead", "random", "oracle-attn", "oracle-dev")
 
 
 class Prompt:
@@ -53,13 +55,16 @@ class Prompt:
         self.full_logits = full.last_logits.clone()
         self.full_k, self.full_v = full.fresh_k.clone(), full.fresh_v.clone()  # [L, Hkv, T, d] pre-RoPE
         self.stored_k, self.stored_v = self.full_k.clone(), self.full_v.clone()
-        row = len(segs.prefix_ids)
+        row = self.prefix_len = len(segs.prefix_ids)
         engine.precompute(segs.chunk_ids)
+        spans = []
         for chunk_ids in segs.chunk_ids:
             kv = engine.store.get(engine.chunk_key(chunk_ids))  # computed alone behind the chunk context
             self.stored_k[:, :, row:row + len(chunk_ids)] = kv.k
             self.stored_v[:, :, row:row + len(chunk_ids)] = kv.v
+            spans.append((row, row + len(chunk_ids)))
             row += len(chunk_ids)
+        self.chunk_spans = tuple(spans)
         self.stored_mask = torch.ones(T, dtype=torch.bool)
         self.stored_mask[self.query_rows] = False
 
@@ -104,6 +109,9 @@ def variant_logits(p: Prompt, variant: str, num_keep: int, rng: torch.Generator)
     rows = p.chunk_rows
     if variant == "deviation":
         return p.blend(rows, check_layers=(1,), check_keep=(num_keep,))  # every chunk row until the check
+    if variant == "attn":
+        return p.blend(rows, check_layers=(0,), check_keep=(num_keep,), deviation="attn", chunk_spans=p.chunk_spans,
+                       prefix_len=p.prefix_len)
     if variant == "random":
         return p.blend(rows[torch.randperm(rows.numel(), generator=rng)[:num_keep]])
     if variant.startswith("lookahead:"):

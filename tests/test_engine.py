@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 import torch
@@ -34,6 +35,18 @@ BF16_ATOL = 1.0
 def _segments(engine, order=(0, 1, 2, 3)):
     docs, question = musique_docs(0, 4)
     return engine.segments([docs[i] for i in order], question, instruction=INSTRUCTION)
+
+
+@contextmanager
+def blend_config(engine, **fields):
+    """The engine's BlendConfig with ``fields`` replaced (check layers back to the deviation's default
+    unless given) for the block."""
+    old = engine.config.blend
+    engine.config.blend = replace(old, **{"check_layers": (), **fields})
+    try:
+        yield engine
+    finally:
+        engine.config.blend = old
 
 
 @contextmanager
@@ -63,11 +76,12 @@ def test_blend_ratio_one_equals_full(dtype, atol, attention, device):
     engine.precompute(segs.chunk_ids)
     with no_blended_prefix(engine):
         _first(engine, segs, "blend", 1.0)  # stores the prefix, so the next run reads it from the store
-        for selection in SELECTION_KINDS:
-            blend = _first(engine, segs, "blend", 1.0, selection=selection)
+        for selection, deviation in [(kind, "v") for kind in SELECTION_KINDS] + [("deviation", "attn")]:
+            with blend_config(engine, deviation=deviation):
+                blend = _first(engine, segs, "blend", 1.0, selection=selection)
             assert blend.stats.chunks_hit == 4 and blend.stats.recomputed_tokens == sum(map(len, segs.chunk_ids))
             diff = (blend.first_token_logits - full.first_token_logits).abs().max().item()
-            assert diff <= atol, f"blend@1.0 ({selection} selection) differs from full by {diff}"
+            assert diff <= atol, f"blend@1.0 ({selection} selection, {deviation}) differs from full by {diff}"
             assert blend.first_token_logits.argmax() == full.first_token_logits.argmax()
 
 
@@ -204,8 +218,8 @@ def test_other_architectures_blend_one_equals_full(tmp_path, model_type):
     assert blend.token_ids == full.token_ids
 
 
-@pytest.mark.parametrize("deviation,selection", [("v", "deviation"), ("kv", "deviation"), ("v", "query"),
-                                                 ("v", "lookahead")])
+@pytest.mark.parametrize("deviation,selection", [("v", "deviation"), ("kv", "deviation"), ("attn", "deviation"),
+                                                 ("v", "query"), ("v", "lookahead")])
 def test_blend_paths_with_any_deviation_and_recycled_buffers_equal_unpooled(tmp_path, deviation, selection):
     """The check layer projects only V for every row with the value deviation (Q/K for the kept rows),
     K/V for every row and Q for the query rows with the query selection, all three otherwise (lookahead
@@ -240,6 +254,58 @@ def test_blend_paths_with_any_deviation_and_recycled_buffers_equal_unpooled(tmp_
     del other  # dropped: its cache goes back to the pool and serves the next request
     again = pooled.start(GenerationRequest(segs, SamplingParams(max_tokens=3), mode="full"))
     assert pooled.buffers.reused > reused and again.cache.k.data_ptr() != live.cache.k.data_ptr()
+
+
+def _attention_deviation_reference(ops, ids: torch.Tensor, prefix_len: int, spans) -> torch.Tensor:
+    """[chunk rows] layer-0 attention output over every earlier key vs over the prefix and the row's own
+    chunk placed right after it, computed with PyTorch's SDPA and dense masks (fp32)."""
+    h = ops.embed(ids)
+    q, k, v = ops.qkv(0, h)  # [H, T, d] pre-RoPE; layer 0 needs no context
+    T = ids.numel()
+    cos, sin = ops.rope_cos_sin(torch.arange(T))
+    full = ops.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, None)  # [T, Hq * d], causal
+    out = []
+    for start, end in spans:
+        rows = torch.cat([torch.arange(prefix_len), torch.arange(start, end)])
+        n = rows.numel()
+        local = ops.attend(apply_rope(q[:, rows], cos[:n], sin[:n]), apply_rope(k[:, rows], cos[:n], sin[:n]),
+                           v[:, rows], None)[prefix_len:]
+        out.append((full[start:end] - local).pow(2).sum(-1))
+    return torch.cat(out)
+
+
+def test_attention_check_keeps_the_rows_the_other_chunks_move_most():
+    """Deviation "attn" at check layer 0: the kept chunk rows are the top ones by how far their attention
+    output over every key lies from their attention over the prefix and their own chunk; the rest skip
+    layer 0's o_proj and MLP and every later layer. Checked against SDPA with dense masks (fp32)."""
+    engine = embedded_engine("float32")
+    engine.store = MemoryStore()
+    ops = engine.ops
+    segs = _segments(engine, order=(1, 3, 0, 2))
+    engine.precompute(segs.chunk_ids)
+    T, P = segs.num_tokens, len(segs.prefix_ids)
+    ids = torch.tensor(segs.token_ids)
+    shape = (ops.num_layers, ops.num_kv_heads, T, ops.head_dim)
+    stored_k, stored_v = torch.zeros(shape), torch.zeros(shape)
+    stored, spans, row = torch.zeros(T, dtype=torch.bool), [], P
+    for chunk_ids in segs.chunk_ids:
+        kv = engine.store.get(engine.chunk_key(chunk_ids))
+        stored_k[:, :, row:row + len(chunk_ids)], stored_v[:, :, row:row + len(chunk_ids)] = kv.k, kv.v
+        spans.append((row, row + len(chunk_ids)))
+        row += len(chunk_ids)
+    stored[P:row] = True  # the prefix and the query are computed
+    num_keep = num_to_keep(0.15, row - P)
+    plan = PrefillPlan(ids, stored_k, stored_v, stored, torch.arange(T), check_layers=(0,), check_keep=(num_keep,),
+                       deviation="attn", chunk_spans=tuple(spans), prefix_len=P)
+    got = set(run_prefill(ops, plan, KVCache.allocate(ops, T)).recomputed_rows.tolist())
+    dev = _attention_deviation_reference(ops, ids, P, spans)
+    expected = set((torch.topk(dev, num_keep).indices + P).tolist())
+    assert len(got) == num_keep and len(got & expected) >= num_keep - 2  # fp32 ties at the cut may swap
+    with pytest.raises(ValueError, match="chunk_spans"):  # a plan that cannot say what a row's chunk is
+        run_prefill(ops, replace(plan, chunk_spans=tuple(spans[1:])), KVCache.allocate(ops, T))
+    with no_blended_prefix(engine), blend_config(engine, deviation="attn"):
+        blend = _first(engine, segs, "blend", 0.15)
+    assert blend.stats.recomputed_tokens == num_keep and blend.stats.chunks_hit == 4
 
 
 def test_blended_prefix_is_reused_by_the_next_question():

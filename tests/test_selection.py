@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvblend.blend.selection import query_attention, select_top_tokens
+from kvblend.blend.selection import attention_deviation, query_attention, select_top_tokens
 from kvblend.config import BlendConfig, parse_selection
 
 
@@ -64,3 +64,20 @@ def test_parse_selection_takes_a_layer_count_for_lookahead_only():
             parse_selection(bad)
     with pytest.raises(ValueError, match="lookahead_layers must be an integer >= 0"):
         BlendConfig(lookahead_layers=-1)
+
+
+def test_attention_deviation_is_the_squared_distance_per_row():
+    full = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    local = torch.tensor([[1.0, 0.0, 1.0], [0.5, 0.0, 0.0]], dtype=torch.bfloat16)
+    got = attention_deviation(full, local)
+    assert got.dtype == torch.float32 and got.tolist() == [8.0, 0.25]
+
+
+def test_check_layers_default_to_the_deviations_first_useful_layer():
+    assert BlendConfig().check_layers == (1,)  # KV deviation: layer-0 KV is context-free
+    assert BlendConfig(deviation="attn").check_layers == (0,)  # attention output: deviates from layer 0 on
+    assert BlendConfig(deviation="attn", check_layers=(0, 4), check_ratios=(0.3, 0.15)).check_layers == (0, 4)
+    with pytest.raises(ValueError, match="check_layers must be >= 1 with deviation 'v'"):
+        BlendConfig(deviation="v", check_layers=(0,))
+    with pytest.raises(ValueError, match="deviation must be one of"):
+        BlendConfig(deviation="q")

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvblend.config import DEVIATION_KINDS, BlendConfig
+
 DEFAULT_RATIOS = (0.05, 0.15, 0.30)
 MODES = ("full", "prefix", "reuse", "blend")
 
@@ -93,10 +95,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "runs, it is the reference")
     p.add_argument("--ratios", default=",".join(map(str, DEFAULT_RATIOS)),
                    help="comma-separated blend recompute ratios (default 0.05,0.15,0.3)")
-    p.add_argument("--check-layers", default="1", help="comma-separated check layers (gradual filtering if >1)")
+    p.add_argument("--check-layers", default="", help="comma-separated check layers (gradual filtering if >1; "
+                                                       "default: 0 for --deviation attn, else 1)")
     p.add_argument("--check-ratios", default="", help="ratios for the check layers (last = each --ratios value)")
-    p.add_argument("--deviation", default="v", choices=["v", "k", "kv"],
-                   help="what the deviation selection compares: values (default), keys or both")
+    p.add_argument("--deviation", default=BlendConfig.deviation, choices=list(DEVIATION_KINDS),
+                   help="what the deviation selection compares: fresh vs cached values, keys or both at the check "
+                        "layer, or attn: a row's attention output over every key vs over its own chunk and the "
+                        f"prefix (default {BlendConfig.deviation})")
     p.add_argument("--selection", default="deviation",
                    help="comma-separated token selections to run at every ratio, in one run against the same full "
                         "prefill: deviation (default; CacheBlend: largest KV deviation at the check layer), query "
@@ -132,7 +137,7 @@ def run(args) -> int:
     selections = _selections(args.selection)
     if args.offset < 0 or args.examples < 1:
         raise SystemExit("kvblend bench engine: --examples must be >= 1 and --offset >= 0")
-    blend_cfg = BlendConfig(check_layers=tuple(int(x) for x in args.check_layers.split(",")),
+    blend_cfg = BlendConfig(check_layers=tuple(int(x) for x in args.check_layers.split(",") if x.strip()),
                             check_ratios=tuple(float(x) for x in args.check_ratios.split(",") if x.strip()),
                             deviation=args.deviation)
     model_kwargs = {"attention_kernel": args.attention_kernel} if args.attention_kernel else {}

@@ -4,7 +4,9 @@ At a check layer every candidate row has fresh K/V (computed in the real, mixed 
 (computed with its chunk alone). Ways to score which rows keep being recomputed (the rest reuse their
 cached KV from here on):
 
-    deviation  rows whose KV deviates most are the ones missing cross-chunk attention (CacheBlend)
+    deviation  rows whose KV deviates most are the ones missing cross-chunk attention (CacheBlend); or,
+               with ``attention_deviation``, rows whose attention output moves most once they see the
+               other chunks (measurable at layer 0, before its MLP)
     query      rows the query attends to most at the check layer: their errors are the ones the answer
                reads (query-aware selection, as in A3, arXiv 2511.17560)
     lookahead  rows the query attends to most summed over every layer of a reuse pass run first (the
@@ -34,6 +36,14 @@ def token_deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torc
     if kind == "kv":
         return sq(fresh_k, cached_k) + sq(fresh_v, cached_v)
     raise ValueError(f"unknown deviation kind {kind!r}")
+
+
+def attention_deviation(full_out: torch.Tensor, local_out: torch.Tensor) -> torch.Tensor:
+    """Squared L2 between rows' attention output over every key and over their own chunk (and the
+    prompt's prefix) only: how much the other chunks change what each row reads.
+
+    full_out, local_out: [N, Hq * d] (one layer's attention output before o_proj) -> float32 [N]."""
+    return (full_out.float() - local_out.float()).pow(2).sum(dim=-1)
 
 
 def query_attention(query_q: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,

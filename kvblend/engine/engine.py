@@ -304,14 +304,16 @@ class Engine:
                     exact[seg.row_start:seg.row_start + seg.seq_len] = True
             active = (~exact).nonzero().flatten()
             layers, keep = self._check_schedule(ratio, int((stored_mask & ~exact).sum()))
+            spans = tuple((seg.row_start, seg.row_start + seg.seq_len) for seg in stored if not seg.exact)
         else:
             active = (~stored_mask).nonzero().flatten()
-            layers, keep = (), ()
+            layers, keep, spans = (), (), ()
         if active.numel() == 0 or int(active[-1]) != num_tokens - 1:
             # The last row's logits are the first token: it is always computed.
             active = torch.unique(torch.cat([active, torch.tensor([num_tokens - 1])]))
         plan = PrefillPlan(ids, stored_k, stored_v, stored_mask, active, check_layers=layers, check_keep=keep,
                            deviation=self.config.blend.deviation, selection=selection,
+                           chunk_spans=spans, prefix_len=len(segs.prefix_ids),
                            wait_layer=loader.wait_layer if loader else None)
         return plan, stored, to_store, loader
 
