@@ -433,8 +433,7 @@ def _query_check_qkv(ops: TransformerOps, layer: int, h: torch.Tensor, active: t
     recorder.add(q_query[:, :query.numel()], keys, active[query])
     received = recorder.total  # [T]
     cand = is_stored.nonzero().flatten()
-    chosen = cand[select_top_tokens(received[active[cand]], num_keep)]
-    keep = torch.cat([query, chosen]).sort().values
+    keep = _kept_rows(is_stored, cand, received[active[cand]], num_keep)
     h = _pad_rows(h[keep])
     (q,) = ops.qkv(layer, h, "q")
     return q[:, :keep.numel()], keep, h
@@ -453,8 +452,7 @@ def _attention_check_rows(ops: TransformerOps, plan: PrefillPlan, layer: int, q:
         return torch.arange(active.numel(), device=active.device)
     q_cand = q.transpose(0, 1)[cand].transpose(0, 1)  # gathered in q_proj's own [A, Hq, d] layout
     local = _local_attention(ops, plan, layer, q_cand, active[cand], k_layer, v_layer)
-    chosen = cand[select_top_tokens(attention_deviation(attn[cand], local), num_keep)]
-    return torch.cat([(~is_stored).nonzero().flatten(), chosen]).sort().values
+    return _kept_rows(is_stored, cand, attention_deviation(attn[cand], local), num_keep)
 
 
 def _local_attention(ops: TransformerOps, plan: PrefillPlan, layer: int, q: torch.Tensor, rows: torch.Tensor,
@@ -496,6 +494,12 @@ def _check_rows(plan: PrefillPlan, active: torch.Tensor, is_stored: torch.Tensor
         dev = token_deviation(None, v[:, cand], None, stored_v_layer[:, rows], plan.deviation)
     else:
         dev = token_deviation(k[:, cand], v[:, cand], stored_k_layer[:, rows], stored_v_layer[:, rows], plan.deviation)
-    chosen = cand[select_top_tokens(dev, num_keep)]
-    keep = torch.cat([(~is_stored).nonzero().flatten(), chosen])
-    return keep.sort().values
+    return _kept_rows(is_stored, cand, dev, num_keep)
+
+
+def _kept_rows(is_stored: torch.Tensor, cand: torch.Tensor, scores: torch.Tensor, num_keep: int) -> torch.Tensor:
+    """The rule every check shares: local indices (sorted) of the rows that stay computed, i.e. every
+    unstored row and the ``num_keep`` candidates with the largest ``scores``. is_stored [A] bool;
+    cand [C] its True indices; scores [C]."""
+    chosen = cand[select_top_tokens(scores, num_keep)]
+    return torch.cat([(~is_stored).nonzero().flatten(), chosen]).sort().values
