@@ -1,7 +1,7 @@
 """Where a prefill's time goes: median TTFT per mode, then one torch.profiler table per mode (CPU or CUDA).
 
     .venv/bin/python scripts/profile_prefill.py [--model DIR|GGUF] [--device cuda] [--dtype bfloat16]
-        [--modes full,reuse,blend@0.15,blend@0.15/lookahead] [--example 0] [--repeats 5] [--rows 15] [--variants gqa,expand]
+        [--modes full,reuse,blend@0.15,blend@0.15/lookahead] [--example 0] [--repeats 5] [--rows 15] [--variants gqa,expand] [--shapes]
 
 --random-weights DIR builds a random-weight model from DIR's config.json and tokenizer files (timing does not
 depend on the weights, so a machine without the real weights can still be profiled). --variants compares
@@ -67,14 +67,15 @@ def time_mode(engine, segs, spec: ModeSpec, repeats: int) -> list[float]:
     return [engine.run(one_token_request(segs, spec)).stats.ttft_ms for _ in range(repeats)]
 
 
-def profile_mode(engine, segs, spec: ModeSpec, device: str, rows: int) -> str:
+def profile_mode(engine, segs, spec: ModeSpec, device: str, rows: int, shapes: bool = False) -> str:
+    """One request under torch.profiler; ``shapes``: one table row per op and input shapes."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=shapes) as prof:
         engine.run(one_token_request(segs, spec))
     key = "self_cuda_time_total" if device != "cpu" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows)
+    return prof.key_averages(group_by_input_shape=shapes).table(sort_by=key, row_limit=rows)
 
 
 def main() -> int:
@@ -89,6 +90,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rows", type=int, default=15, help="profiler table rows (0: no table)")
     p.add_argument("--variants", default="gqa", help="comma-separated: gqa, expand")
+    p.add_argument("--shapes", action="store_true", help="profiler rows per op and input shapes")
     args = p.parse_args()
     cfg = ModelConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
     if args.random_weights:
@@ -109,7 +111,7 @@ def main() -> int:
                   f"n={len(ttft)})", flush=True)
         if args.rows:
             for spec in specs:
-                print(f"\n--- [{variant}] {spec.label} ---\n{profile_mode(engine, segs, spec, args.device, args.rows)}",
+                print(f"\n--- [{variant}] {spec.label} ---\n{profile_mode(engine, segs, spec, args.device, args.rows, args.shapes)}",
                       flush=True)
     TransformerOps.attend = original
     return 0

@@ -120,6 +120,100 @@ def test_bad_arguments_are_rejected(kernel):
         kernel(q.to(other), k, k, None, None, torch.tensor([3, 4]), 0.125, out, scratch, 1)
 
 
+@pytest.mark.parametrize("num_rows", [1, 16, 45, 96, 960])
+def test_linear_matches_fp32_math_rounded_once(kernel, num_rows):
+    """The AMX build's row projection: fp32 accumulation, bias in fp32, one rounding to bf16, so it is
+    within one bf16 rounding of fp32 math (and equal to it rounded, up to summation-order ties). Row
+    counts cover a lone row, one 16-row tile, a partial last block and whole 32-row blocks; strided rows."""
+    if not kernel.has_linear:
+        pytest.skip(f"the {kernel.name} build has no linear kernel")
+    gen = torch.Generator().manual_seed(num_rows)
+    w = torch.randn(576, 1536, generator=gen).div(40).to(kernel.dtype)
+    bias = torch.randn(576, generator=gen).to(kernel.dtype)
+    x = torch.randn(num_rows, 1600, generator=gen).to(kernel.dtype)[:, :1536]  # row stride 1600
+    out = kernel.linear(x, kernel.pack_linear(w, bias), 2)
+    ref = x.float() @ w.float().t() + bias.float()
+    ulp = ref.abs().clamp_min(1e-3) / 128
+    assert out.shape == (num_rows, 576) and bool(((out.float() - ref).abs() <= ulp).all())
+    assert (out == ref.to(kernel.dtype)).float().mean().item() > 0.99
+    no_bias = kernel.linear(x, kernel.pack_linear(w), 1)  # one thread, no bias
+    assert bool(((no_bias.float() - (ref - bias.float())).abs() <= ulp + 1 / 128).all())
+
+
+def test_linear_refuses_shapes_it_does_not_take(kernel):
+    if not kernel.has_linear:
+        pytest.skip(f"the {kernel.name} build has no linear kernel")
+    assert kernel.pack_linear(torch.zeros(40, 64, dtype=kernel.dtype)) is None  # outputs not a multiple of 32
+    packed = kernel.pack_linear(torch.zeros(64, 64, dtype=kernel.dtype))
+    with pytest.raises(ValueError, match=r"\[M, 64\]"):
+        kernel.linear(torch.zeros(3, 32, dtype=kernel.dtype), packed, 1)
+
+
+def _hf_rms_norm(dim: int, gen: torch.Generator, dtype: torch.dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(dim, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(dim, generator=gen).to(dtype)
+    return norm
+
+
+@pytest.mark.parametrize("num_rows", [1, 17, 300])
+def test_rms_norm_rounds_as_the_hf_module(kernel, num_rows):
+    """The bf16 builds' RMSNorm against transformers' LlamaRMSNorm on the same bf16 rows: within one bf16
+    ulp everywhere (sums of squares add in another order) and equal almost everywhere; with a residual
+    delta, the stored sum equals PyTorch's bf16 add exactly and the norm is the module's on that sum."""
+    if not kernel.has_elementwise:
+        pytest.skip(f"the {kernel.name} build has no row-wise ops")
+    gen = torch.Generator().manual_seed(num_rows)
+    norm = _hf_rms_norm(576, gen, kernel.dtype)
+    x = torch.randn(num_rows, 600, generator=gen).mul(3).to(kernel.dtype)[:, :576]  # strided rows
+    delta = torch.randn(num_rows, 576, generator=gen).to(kernel.dtype)
+    for d in (None, delta):
+        out, total = kernel.rms_norm(x, norm.weight, norm.variance_epsilon, 2, d)
+        expected_total = x if d is None else x + d
+        if d is not None:
+            assert torch.equal(total, expected_total)
+        ref = norm(expected_total)
+        ulp = ref.float().abs() / 128 + 1e-6
+        assert bool(((out.float() - ref.float()).abs() <= ulp).all())
+        assert (out == ref).float().mean().item() > 0.99
+
+
+def test_silu_mul_rounds_as_pytorch(kernel):
+    """SiLU(gate) * up on bf16 rows against F.silu(gate) * up: SiLU rounded to bf16 first, as PyTorch's
+    bf16 silu returns it, so equal up to exp's last fp32 bits (one bf16 ulp where a tie falls apart)."""
+    if not kernel.has_elementwise:
+        pytest.skip(f"the {kernel.name} build has no row-wise ops")
+    gen = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(45, 3072, generator=gen).mul(4).to(kernel.dtype)
+    gate_up[0, :6] = torch.tensor([-200.0, -90.0, 0.0, 90.0, 200.0, -0.0])  # exp's range ends
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = kernel.silu_mul(gate_up, 2)
+    ref = F.silu(gate) * up
+    assert out.shape == (45, 1536) and bool(torch.isfinite(out.float()).all())
+    assert bool(((out.float() - ref.float()).abs() <= ref.float().abs() / 128 + 1e-6).all())
+    assert (out == ref).float().mean().item() > 0.99
+    with pytest.raises(ValueError, match="dense rows"):
+        kernel.silu_mul(gate_up.to(torch.float16), 1)
+
+
+def test_concurrent_calls_from_two_threads(kernel):
+    """The kernels keep a thread pool between calls; a call that finds it busy (another Python thread)
+    starts its own threads. Both must give what a lone call gives."""
+    import concurrent.futures
+
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(3, 700, 64, generator=gen).to(kernel.dtype)
+    v = torch.randn(3, 700, 64, generator=gen).to(kernel.dtype)
+    q = torch.randn(200, 9, 64, generator=gen).to(kernel.dtype)
+    positions = torch.randperm(700, generator=gen)[:200].sort().values
+    rope = _rope_half(700)
+    alone, _ = _run(kernel, q, k, v, positions, rope, num_threads=2)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: _run(kernel, q, k, v, positions, rope, num_threads=2)[0], range(16)))
+    assert all(torch.equal(r, alone) for r in results)
+
+
 def test_engine_prefill_with_kernel_matches_pytorch_kernels(kernel):
     """The same prompt through full and blend@0.15 with the native kernel and with PyTorch's kernels: the
     same first token, logits within 1.0 in bf16 (the repo's bf16 tolerance) and 1e-3 in fp32."""

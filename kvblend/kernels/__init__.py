@@ -10,6 +10,9 @@ blocks, which computes and throws away a large share of the scores. Three builds
     avx2        rows_attention_f32.c            float32, AVX2 + FMA (any x86-64 of the last decade, e.g. AMD Zen)
 
 For a dtype with two builds the first whose CPU features are present is taken (amx, then avx512bf16).
+The amx build also projects rows (``RowsAttention.linear``, amx_linear.h): oneDNN parallelises some of a
+blend's ~1,000-row projections poorly on two threads. Both bf16 builds also carry a layer's row-wise ops
+(``rms_norm``, ``silu_mul``; rows_elementwise.h), one pass each where PyTorch makes four or five.
 
 The shared object is built with the system C compiler into ``<cache_dir>/kernels/`` (keyed by a digest of
 the source and flags, written atomically) and needs no PyTorch headers. Where it cannot be used (no
@@ -142,12 +145,96 @@ class RowsAttention:
                              f"keys={num_keys}, heads={num_heads}/{num_kv_heads}, head_dim={d}")
         return out
 
+    @property
+    def has_linear(self) -> bool:
+        """Whether this build also projects rows (``linear``): the AMX build does (amx_linear.h)."""
+        return hasattr(self.lib, "kvb_linear")
+
+    def pack_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "PackedLinear | None":
+        """``weight`` [N, K] (and bias [N]) in the layout ``linear`` reads, or None for a shape the kernel
+        does not take (N and K must be multiples of 32) or a build without it."""
+        num_out, num_in = weight.shape
+        if not self.has_linear or weight.dtype != self.dtype or num_out % 32 or num_in % 32:
+            return None
+        w = weight.detach().contiguous()
+        packed = torch.empty(num_out * num_in, dtype=self.dtype)
+        if self.lib.kvb_linear_pack(w.data_ptr(), num_out, num_in, packed.data_ptr()) != 0:
+            return None
+        return PackedLinear(packed, num_out, num_in, None if bias is None else bias.detach().float().contiguous())
+
+    def linear(self, x: torch.Tensor, weight: "PackedLinear", num_threads: int) -> torch.Tensor:
+        """x [M, K] (dense rows) @ W^T + bias -> [M, N], fp32 accumulation, rounded once to bf16."""
+        if x.dtype != self.dtype or x.device.type != "cpu":
+            raise ValueError(f"x must be a {dtype_name(self.dtype)} CPU tensor, got {x.dtype} on {x.device}")
+        if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != weight.num_in:
+            raise ValueError(f"x must be [M, {weight.num_in}] with dense rows, got {tuple(x.shape)}")
+        out = torch.empty(x.shape[0], weight.num_out, dtype=x.dtype)
+        bias = weight.bias
+        rc = self.lib.kvb_linear(x.data_ptr(), x.stride(0), x.shape[0], weight.num_in, weight.packed.data_ptr(),
+                                 weight.num_out, None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                 weight.num_out, max(1, num_threads))
+        if rc != 0:
+            raise ValueError(f"the linear kernel rejected [{x.shape[0]}, {weight.num_in}] x [{weight.num_out}, "
+                             f"{weight.num_in}]^T (rc={rc})")
+        return out
+
+    @property
+    def has_elementwise(self) -> bool:
+        """Whether this build has the row-wise ops (``rms_norm``, ``silu_mul``): both bf16 builds do."""
+        return hasattr(self.lib, "kvb_rms_norm")
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, num_threads: int,
+                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """RMSNorm(x) * weight for x [S, D] -> (out [S, D], None); with ``delta`` [S, D] the residual add
+        first: (RMSNorm(x + delta) * weight, x + delta). Rounded as the HF module rounds (rows_elementwise.h)."""
+        rows, dim = x.shape
+        self._check_rows(x, "x", dim)
+        self._check_rows(weight.view(1, -1), "weight", dim)
+        out = torch.empty(rows, dim, dtype=x.dtype)
+        total = None
+        if delta is not None:
+            self._check_rows(delta, "delta", dim)
+            total = torch.empty(rows, dim, dtype=x.dtype)
+        rc = self.lib.kvb_rms_norm(x.data_ptr(), x.stride(0), None if delta is None else delta.data_ptr(),
+                                   0 if delta is None else delta.stride(0), None if total is None else total.data_ptr(),
+                                   dim, weight.data_ptr(), eps, out.data_ptr(), dim, rows, dim, max(1, num_threads))
+        if rc != 0:
+            raise ValueError(f"rms_norm rejected [{rows}, {dim}] (rc={rc}; dim must be a multiple of 16)")
+        return out, total
+
+    def silu_mul(self, gate_up: torch.Tensor, num_threads: int) -> torch.Tensor:
+        """SiLU(gate) * up for gate_up [S, 2 * I] (gate columns first) -> [S, I]."""
+        rows, width = gate_up.shape
+        self._check_rows(gate_up, "gate_up", width)
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        rc = self.lib.kvb_silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width // 2, rows,
+                                   width // 2, max(1, num_threads))
+        if rc != 0:
+            raise ValueError(f"silu_mul rejected [{rows}, {width}] (rc={rc}; half the width must be a multiple of 16)")
+        return out
+
+    def _check_rows(self, t: torch.Tensor, name: str, width: int) -> None:
+        if t.dtype != self.dtype or t.device.type != "cpu" or t.dim() != 2 or t.shape[1] != width or \
+                t.stride(1) != 1 or (t.shape[0] > 1 and t.stride(0) < width):
+            raise ValueError(f"{name} must be a {dtype_name(self.dtype)} CPU tensor [rows, {width}] with dense rows, "
+                             f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
+
     def _check_tensor(self, t: torch.Tensor, name: str) -> None:
         if t.dtype != self.dtype or t.device.type != "cpu":
             raise ValueError(f"{name} must be a {dtype_name(self.dtype)} CPU tensor "
                              f"(the {self.name} kernel), got {t.dtype} on {t.device}")
         if name != "out" and (t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]):
             raise ValueError(f"{name} needs contiguous [*, rows, head_dim] rows, got strides {t.stride()}")
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A projection weight in AMX's pair-interleaved tiles (``RowsAttention.pack_linear``)."""
+
+    packed: torch.Tensor  # [N * K] bf16
+    num_out: int
+    num_in: int
+    bias: torch.Tensor | None  # [N] fp32
 
 
 _lock = threading.Lock()
@@ -270,5 +357,15 @@ def _declare(lib: ctypes.CDLL, init_symbol: str | None) -> None:
         init.argtypes = []
     lib.kvb_rows_attention_scratch_bytes.restype = L
     lib.kvb_rows_attention_scratch_bytes.argtypes = [L, I]
+    if hasattr(lib, "kvb_rms_norm"):  # the bf16 builds' row-wise ops (rows_elementwise.h)
+        lib.kvb_rms_norm.restype = I
+        lib.kvb_rms_norm.argtypes = [P, L, P, L, P, L, P, ctypes.c_float, P, L, L, L, I]
+        lib.kvb_silu_mul.restype = I
+        lib.kvb_silu_mul.argtypes = [P, L, P, L, L, L, I]
+    if hasattr(lib, "kvb_linear"):  # the AMX build's projections (amx_linear.h)
+        lib.kvb_linear_pack.restype = I
+        lib.kvb_linear_pack.argtypes = [P, L, L, P]
+        lib.kvb_linear.restype = I
+        lib.kvb_linear.argtypes = [P, L, L, L, P, L, P, P, L, I]
     lib.kvb_rows_attention.restype = I
     lib.kvb_rows_attention.argtypes = [P, L, P, L, P, L, P, L, P, P, P, L, L, I, I, I, ctypes.c_float, P, L, P, L, I]

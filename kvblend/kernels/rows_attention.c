@@ -34,6 +34,8 @@
 
 typedef uint16_t bf16;
 
+#include "rows_elementwise.h" /* RMSNorm and SiLU * up: the same bf16 builds */
+
 #define ROWS 16   /* query rows per tile (AMX tile height) */
 #define KB 32     /* keys per P tile (the bf16 dot product depth) */
 #define STEP 128  /* keys per softmax step: 4 P tiles */
@@ -459,6 +461,7 @@ static void attend_item(void *job, long item) {
 static void tile_release(void) { _tile_release(); }
 #define THREAD_BEGIN load_tile_config /* each thread's tile shapes, and releasing its tile state */
 #define THREAD_END tile_release
+#include "amx_linear.h" /* the recomputed rows' projections share the build and the tile config */
 #else
 #define THREAD_BEGIN NULL
 #define THREAD_END NULL

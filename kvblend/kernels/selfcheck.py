@@ -3,7 +3,8 @@
 A miscompiled native kernel does not raise, it kills the process (gcc 12 once dropped the AMX tile
 config's stores at -O3 and every prefill died with SIGSEGV) or returns wrong numbers. So the loader runs
 ``python -m kvblend.kernels.selfcheck <lib.so> <kernel name>`` once per build: exit 0 means the library
-attended scattered rows (GQA, RoPE, a partial last tile, 2 threads) like an fp32 PyTorch reference.
+attended scattered rows (GQA, RoPE, a partial last tile, 2 threads) like an fp32 PyTorch reference, and
+(the AMX build) projected rows like fp32 math rounded to bf16.
 """
 
 from __future__ import annotations
@@ -58,6 +59,25 @@ def check(kernel, num_keys: int = 300, num_rows: int = 37, num_kv_heads: int = 2
     return diff
 
 
+def check_linear(kernel, num_rows: int = 45, num_out: int = 96, num_in: int = 64) -> float:
+    """Max abs difference of ``kernel.linear`` (builds that have it) from fp32 math rounded to bf16:
+    a 16-row tail past whole 32-row blocks, a partial last block, a bias, 2 threads. Raises if above
+    one bf16 ulp of the output's scale."""
+    if not kernel.has_linear:
+        return 0.0
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(num_out, num_in, generator=gen).to(kernel.dtype)
+    bias = torch.randn(num_out, generator=gen).to(kernel.dtype)
+    x = torch.randn(num_rows, num_in, generator=gen).to(kernel.dtype)
+    out = kernel.linear(x, kernel.pack_linear(w, bias), 2)
+    ref = x.float() @ w.float().t() + bias.float()
+    diff = (out.float() - ref).abs().max().item()
+    tolerance = ref.abs().max().item() / 128  # one bf16 rounding
+    if not diff <= tolerance:
+        raise AssertionError(f"linear output differs from the fp32 reference by {diff} (tolerance {tolerance})")
+    return diff
+
+
 # Exit status for "the kernel ran and gave wrong numbers"; any other failure (an import error, say) says
 # nothing about the build, so the loader does not record it against the build.
 EXIT_MISMATCH = 3
@@ -70,6 +90,7 @@ def main(argv: list[str]) -> int:
     kernel = open_library(lib_path, KERNELS_BY_NAME[name])
     try:
         check(kernel)
+        check_linear(kernel)
     except AssertionError as e:
         print(e, file=sys.stderr)
         return EXIT_MISMATCH
