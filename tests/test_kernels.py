@@ -138,6 +138,9 @@ def test_linear_matches_fp32_math_rounded_once(kernel, num_rows):
     assert (out == ref.to(kernel.dtype)).float().mean().item() > 0.99
     no_bias = kernel.linear(x, kernel.pack_linear(w), 1)  # one thread, no bias
     assert bool(((no_bias.float() - (ref - bias.float())).abs() <= ulp + 1 / 128).all())
+    residual = torch.randn(num_rows, 576, generator=gen).to(kernel.dtype)
+    summed = kernel.linear(x, kernel.pack_linear(w, bias), 2, residual)  # rounded product, then the add
+    assert torch.equal(summed, residual + out)
 
 
 def test_linear_refuses_shapes_it_does_not_take(kernel):

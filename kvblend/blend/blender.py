@@ -157,7 +157,8 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
             # Every row's K/V of this layer is written; only the last row's output (the logits) is read.
             last = active.numel() - 1
             q, h, active = q[:, last:], h[last:last + 1], active[last:]
-        attn = attention(layer, q, k_pre[layer], v_all[layer], cache.k[layer, :, :T], active)  # [A, Hq * d]
+        # [A, Hq * d]; the native kernel returns it with h's zero pad rows, ready for o_proj
+        attn = attention(layer, q, k_pre[layer], v_all[layer], cache.k[layer, :, :T], active, h.shape[0])
         if recorder is not None:  # the attention call has just rotated this layer's keys into the cache
             recorder.add(q, cache.k[layer, :, :T], active)
         if attention_check:  # o_proj and the MLP run for the kept rows only
@@ -206,15 +207,6 @@ def _pad_rows(x: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(num_rows - x.shape[0], x.shape[1])])
 
 
-def _write_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, num_rows: int) -> None:
-    """dst[:, rows] = src ([Hkv, A, d]); a plain copy when the rows are all of them (index_copy_ otherwise:
-    a little faster than index_put for a blend's ~1k scattered rows)."""
-    if rows.numel() == num_rows:
-        dst.copy_(src)
-    else:
-        dst.index_copy_(1, rows, src)
-
-
 def create_attention(ops: TransformerOps, num_tokens: int):
     """The attention of one prefill: the native kernel where the model's ops carry it (CPU: AMX for bf16,
     AVX2 for fp32; RoPE tables of the repeated-half form), else PyTorch's SDPA kernels. Both are called as
@@ -238,12 +230,16 @@ class KernelAttention:
         self.num_threads = torch.get_num_threads()
 
     def __call__(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 active: torch.Tensor) -> torch.Tensor:
-        """q [Hq, A, d] pre-RoPE of rows ``active``; k_pre, v, k_cache [Hkv, T, d]. Returns [A, Hq * d]."""
+                 active: torch.Tensor, num_out_rows: int = 0) -> torch.Tensor:
+        """q [Hq, A, d] pre-RoPE of rows ``active``; k_pre, v, k_cache [Hkv, T, d]. Returns [A, Hq * d], or
+        with ``num_out_rows`` > A that many rows, the ones past A zero (the hidden rows' padding)."""
         ops = self.ops
-        out = torch.empty(q.shape[1], ops.num_heads * ops.head_dim, dtype=q.dtype, device=q.device)
-        return ops.rows_attention(q.transpose(0, 1), k_pre, v, k_cache, self.rope_half, active, ops.scaling,
-                                  out, self.scratch, self.num_threads)
+        num_rows = q.shape[1]
+        out = torch.empty(max(num_rows, num_out_rows), ops.num_heads * ops.head_dim, dtype=q.dtype, device=q.device)
+        out[num_rows:].zero_()
+        ops.rows_attention(q.transpose(0, 1), k_pre, v, k_cache, self.rope_half, active, ops.scaling,
+                           out[:num_rows], self.scratch, self.num_threads)
+        return out
 
 
 class TorchAttention:
@@ -260,7 +256,8 @@ class TorchAttention:
         self._blocks: list[RowBlock] = []
 
     def __call__(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 active: torch.Tensor) -> torch.Tensor:
+                 active: torch.Tensor, num_out_rows: int = 0) -> torch.Tensor:
+        """As ``KernelAttention``, but returns [A, Hq * d] whatever ``num_out_rows`` (callers pad)."""
         ops, cos, sin = self.ops, self.cos, self.sin
         # Keys of every row at their absolute positions; stored rows are re-positioned here.
         apply_rope(k_pre, cos, sin, out=k_cache, halved=self.halved)
@@ -366,8 +363,8 @@ def _project_rows(ops: TransformerOps, layer: int, h: torch.Tensor, active: torc
     """Q/K/V of every active row: writes their pre-RoPE K and V into k_layer / v_layer [Hkv, T, d] and
     returns q [Hq, A, d] (pre-RoPE)."""
     q, k, v = (t[:, :active.numel()] for t in ops.qkv(layer, h))
-    _write_rows(k_layer, k, active, k_layer.shape[1])
-    _write_rows(v_layer, v, active, v_layer.shape[1])
+    ops.write_rows(k_layer, k, active)
+    ops.write_rows(v_layer, v, active)
     return q
 
 
@@ -383,8 +380,8 @@ def _first_layer_qkv(ops: TransformerOps, plan: PrefillPlan, h: torch.Tensor, ac
     (q,) = ops.qkv(0, h, "q")
     if fresh.numel():
         k, v = (t[:, :fresh.numel()] for t in ops.qkv(0, _pad_rows(h[fresh]), "kv"))
-        _write_rows(k_layer, k, active[fresh], T)
-        _write_rows(v_layer, v, active[fresh], T)
+        ops.write_rows(k_layer, k, active[fresh])
+        ops.write_rows(v_layer, v, active[fresh])
     return q[:, :num_rows]
 
 
@@ -403,15 +400,15 @@ def _check_layer_qkv(ops: TransformerOps, plan: PrefillPlan, layer: int, h: torc
         (v,) = ops.qkv(layer, h, "v")
         v = v[:, :num_rows]
         keep = _check_rows(plan, active, is_stored, None, v, k_layer, v_layer, num_keep)
-        _write_rows(v_layer, v, active, T)
+        ops.write_rows(v_layer, v, active)
         h = _pad_rows(h[keep])
         q, k = (t[:, :keep.numel()] for t in ops.qkv(layer, h, "qk"))
-        _write_rows(k_layer, k, active[keep], T)
+        ops.write_rows(k_layer, k, active[keep])
         return q, keep, h
     q, k, v = (t[:, :num_rows] for t in ops.qkv(layer, h))
     keep = _check_rows(plan, active, is_stored, k, v, k_layer, v_layer, num_keep)
-    _write_rows(k_layer, k, active, T)
-    _write_rows(v_layer, v, active, T)
+    ops.write_rows(k_layer, k, active)
+    ops.write_rows(v_layer, v, active)
     # rows gathered in q_proj's own [A, Hq, d] layout, so grouping them stays a view
     return q.transpose(0, 1)[keep].transpose(0, 1), keep, _pad_rows(h[keep])
 
@@ -424,8 +421,8 @@ def _query_check_qkv(ops: TransformerOps, layer: int, h: torch.Tensor, active: t
     kept ones."""
     T, num_rows = k_layer.shape[1], active.numel()
     k, v = (t[:, :num_rows] for t in ops.qkv(layer, h, "kv"))
-    _write_rows(k_layer, k, active, T)
-    _write_rows(v_layer, v, active, T)
+    ops.write_rows(k_layer, k, active)
+    ops.write_rows(v_layer, v, active)
     query = (~is_stored).nonzero().flatten()  # local indices of the query rows
     (q_query,) = ops.qkv(layer, _pad_rows(h[query]), "q")
     recorder = QueryAttentionRecorder(ops, T)

@@ -12,7 +12,8 @@ blocks, which computes and throws away a large share of the scores. Three builds
 For a dtype with two builds the first whose CPU features are present is taken (amx, then avx512bf16).
 The amx build also projects rows (``RowsAttention.linear``, amx_linear.h): oneDNN parallelises some of a
 blend's ~1,000-row projections poorly on two threads. Both bf16 builds also carry a layer's row-wise ops
-(``rms_norm``, ``silu_mul``; rows_elementwise.h), one pass each where PyTorch makes four or five.
+(``rms_norm``, ``silu_mul``, ``scatter_rows``; rows_elementwise.h), one pass each where PyTorch makes
+several.
 
 The shared object is built with the system C compiler into ``<cache_dir>/kernels/`` (keyed by a digest of
 the source and flags, written atomically) and needs no PyTorch headers. Where it cannot be used (no
@@ -162,17 +163,25 @@ class RowsAttention:
             return None
         return PackedLinear(packed, num_out, num_in, None if bias is None else bias.detach().float().contiguous())
 
-    def linear(self, x: torch.Tensor, weight: "PackedLinear", num_threads: int) -> torch.Tensor:
-        """x [M, K] (dense rows) @ W^T + bias -> [M, N], fp32 accumulation, rounded once to bf16."""
+    def linear(self, x: torch.Tensor, weight: "PackedLinear", num_threads: int,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] (dense rows) @ W^T + bias -> [M, N], fp32 accumulation, rounded once to bf16; with
+        ``residual`` [M, N], residual + that (rounded again, as a separate add)."""
         if x.dtype != self.dtype or x.device.type != "cpu":
             raise ValueError(f"x must be a {dtype_name(self.dtype)} CPU tensor, got {x.dtype} on {x.device}")
         if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != weight.num_in:
             raise ValueError(f"x must be [M, {weight.num_in}] with dense rows, got {tuple(x.shape)}")
         out = torch.empty(x.shape[0], weight.num_out, dtype=x.dtype)
+        if residual is not None:
+            self._check_rows(residual, "residual", weight.num_out)
+            if residual.shape[0] != x.shape[0]:
+                raise ValueError(f"residual has {residual.shape[0]} rows, x {x.shape[0]}")
         bias = weight.bias
         rc = self.lib.kvb_linear(x.data_ptr(), x.stride(0), x.shape[0], weight.num_in, weight.packed.data_ptr(),
-                                 weight.num_out, None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                 weight.num_out, max(1, num_threads))
+                                 weight.num_out, None if bias is None else bias.data_ptr(),
+                                 None if residual is None else residual.data_ptr(),
+                                 0 if residual is None else residual.stride(0), out.data_ptr(), weight.num_out,
+                                 max(1, num_threads))
         if rc != 0:
             raise ValueError(f"the linear kernel rejected [{x.shape[0]}, {weight.num_in}] x [{weight.num_out}, "
                              f"{weight.num_in}]^T (rc={rc})")
@@ -212,6 +221,20 @@ class RowsAttention:
         if rc != 0:
             raise ValueError(f"silu_mul rejected [{rows}, {width}] (rc={rc}; half the width must be a multiple of 16)")
         return out
+
+    def scatter_rows(self, dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
+        """dst[:, rows] = src for dst [H, T, d] (dense [T, d] per head; heads may be strided) and src
+        [H, A, d] (rows and heads may be strided, each row dense); rows: [A] int64, contiguous."""
+        num_heads, num_dst, width = dst.shape
+        dense_dst = dst.stride(2) == 1 and (num_dst == 1 or dst.stride(1) == width)
+        if dst.dtype != self.dtype or src.dtype != self.dtype or not dense_dst or src.stride(-1) != 1 or \
+                src.shape != (num_heads, rows.numel(), width) or rows.dtype != torch.int64 or not rows.is_contiguous():
+            raise ValueError(f"scatter_rows needs dst [H, T, d] with dense rows, src [H, A, d] with dense rows and "
+                             f"int64 rows [A] ({self.dtype}); got {tuple(dst.shape)}, {tuple(src.shape)}")
+        rc = self.lib.kvb_scatter_rows(src.data_ptr(), src.stride(0), src.stride(1), rows.data_ptr(), rows.numel(),
+                                       num_heads, width, dst.data_ptr(), dst.stride(0), num_dst)
+        if rc != 0:
+            raise ValueError(f"scatter_rows: a row is outside [0, {num_dst})")
 
     def _check_rows(self, t: torch.Tensor, name: str, width: int) -> None:
         if t.dtype != self.dtype or t.device.type != "cpu" or t.dim() != 2 or t.shape[1] != width or \
@@ -362,10 +385,12 @@ def _declare(lib: ctypes.CDLL, init_symbol: str | None) -> None:
         lib.kvb_rms_norm.argtypes = [P, L, P, L, P, L, P, ctypes.c_float, P, L, L, L, I]
         lib.kvb_silu_mul.restype = I
         lib.kvb_silu_mul.argtypes = [P, L, P, L, L, L, I]
+        lib.kvb_scatter_rows.restype = I
+        lib.kvb_scatter_rows.argtypes = [P, L, L, P, L, I, L, P, L, L]
     if hasattr(lib, "kvb_linear"):  # the AMX build's projections (amx_linear.h)
         lib.kvb_linear_pack.restype = I
         lib.kvb_linear_pack.argtypes = [P, L, L, P]
         lib.kvb_linear.restype = I
-        lib.kvb_linear.argtypes = [P, L, L, L, P, L, P, P, L, I]
+        lib.kvb_linear.argtypes = [P, L, L, L, P, L, P, P, L, P, L, I]
     lib.kvb_rows_attention.restype = I
     lib.kvb_rows_attention.argtypes = [P, L, P, L, P, L, P, L, P, P, P, L, L, I, I, I, ctypes.c_float, P, L, P, L, I]

@@ -21,6 +21,8 @@ typedef struct {
     long ldx, m, k, n;
     const bf16 *wp;   /* packed [n / 32][k / 32][2 tiles][16 pairs][16 columns][2] */
     const float *bias; /* [n] or NULL */
+    const bf16 *residual; /* [m, n], row stride ldr, added after the product is rounded; or NULL */
+    long ldr;
     bf16 *y;          /* [m, n], row stride ldy */
     long ldy;
     long num_row_blocks, num_col_blocks;
@@ -43,6 +45,11 @@ static void linear_store(const linear_job *jb, const float *acc, long row0, int 
     for (int r = 0; r < num_rows; r++) {
         __m512 lo = _mm512_add_ps(_mm512_load_ps(acc + r * 32), b0);
         __m512 hi = _mm512_add_ps(_mm512_load_ps(acc + r * 32 + 16), b1);
+        if (jb->residual) { /* as PyTorch's residual + linear(x): the product rounded, then the sum */
+            const bf16 *res = jb->residual + (row0 + r) * jb->ldr + col0;
+            lo = _mm512_add_ps(round_bf16(lo), load_bf16(res));
+            hi = _mm512_add_ps(round_bf16(hi), load_bf16(res + 16));
+        }
         _mm512_storeu_si512(jb->y + (row0 + r) * jb->ldy + col0, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
 }
@@ -128,13 +135,17 @@ int kvb_linear_pack(const bf16 *w, long n, long k, bf16 *packed) {
     return 0;
 }
 
-/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ W^T + bias, W packed by kvb_linear_pack.
- * bias: fp32 [n] or NULL. Returns 0; -1 for shapes it does not take (the caller falls back). */
-int kvb_linear(const bf16 *x, long ldx, long m, long k, const bf16 *packed, long n, const float *bias, bf16 *y,
-               long ldy, int num_threads) {
-    if (m <= 0 || n <= 0 || k <= 0 || n % LIN_BLOCK || k % LIN_BLOCK || ldx < k || ldy < n || num_threads <= 0)
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ W^T + bias (+ residual), W packed by
+ * kvb_linear_pack. bias: fp32 [n] or NULL; residual: [m, n] (row stride ldr) or NULL, added to the
+ * rounded product and rounded again (two roundings, as a separate add would). Returns 0; -1 for shapes it
+ * does not take (the caller falls back). */
+int kvb_linear(const bf16 *x, long ldx, long m, long k, const bf16 *packed, long n, const float *bias,
+               const bf16 *residual, long ldr, bf16 *y, long ldy, int num_threads) {
+    if (m <= 0 || n <= 0 || k <= 0 || n % LIN_BLOCK || k % LIN_BLOCK || ldx < k || ldy < n || num_threads <= 0 ||
+        (residual && ldr < n))
         return -1;
-    linear_job jb = {.x = x, .ldx = ldx, .m = m, .k = k, .n = n, .wp = packed, .bias = bias, .y = y, .ldy = ldy,
+    linear_job jb = {.x = x, .ldx = ldx, .m = m, .k = k, .n = n, .wp = packed, .bias = bias, .residual = residual,
+                     .ldr = ldr, .y = y, .ldy = ldy,
                      .num_row_blocks = (m + LIN_BLOCK - 1) / LIN_BLOCK, .num_col_blocks = n / LIN_BLOCK};
     bf16 *tail = NULL;
     long part = m % 16;

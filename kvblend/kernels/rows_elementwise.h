@@ -123,4 +123,19 @@ int kvb_silu_mul(const bf16 *gate_up, long ld, bf16 *out, long ldo, long rows, l
     return 0;
 }
 
+/* dst[h, rows[i], :] = src[h, i, :] for every head h: one layer's fresh K or V rows into the prompt's
+ * [heads, T, width] buffer. src rows may be strided (q/k/v come out of one fused projection). One thread:
+ * ~1,000 rows x 3 heads x 128 bytes is a few hundred KB. Returns 0, or -1 for a row out of [0, num_dst). */
+int kvb_scatter_rows(const bf16 *src, long src_head_stride, long src_row_stride, const int64_t *rows, long num_rows,
+                     int num_heads, long width, bf16 *dst, long dst_head_stride, long num_dst) {
+    for (long i = 0; i < num_rows; i++)
+        if (rows[i] < 0 || rows[i] >= num_dst)
+            return -1;
+    for (int h = 0; h < num_heads; h++)
+        for (long i = 0; i < num_rows; i++)
+            memcpy(dst + h * dst_head_stride + rows[i] * width, src + h * src_head_stride + i * src_row_stride,
+                   (size_t)width * sizeof(bf16));
+    return 0;
+}
+
 #endif

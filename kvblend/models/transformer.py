@@ -186,17 +186,17 @@ class TransformerOps:
         x, h = self._norm(layer.post_attention_layernorm, h, attn_proj)  # x: the MLP's normed input
         blocks = mlp_row_blocks(h.shape[0], h.dtype) if h.device.type == "cpu" else [slice(0, h.shape[0])]
         if len(blocks) == 1:
-            return h + self._mlp(layer_idx, x)
+            return self._mlp(layer_idx, x, h)
         out = torch.empty_like(h)
         for rows in blocks:
-            torch.add(h[rows], self._mlp(layer_idx, x[rows]), out=out[rows])
+            out[rows] = self._mlp(layer_idx, x[rows], h[rows])
         return out
 
-    def _mlp(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
-        """The MLP's output (no residual) for normed rows x [S, D]."""
+    def _mlp(self, layer_idx: int, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + the MLP's output, for normed rows x [S, D] (residual [S, D])."""
         layer = self.layers[layer_idx]
         if not self.fused_mlp:
-            return layer.mlp(x)
+            return residual + layer.mlp(x)
         weight, bias = self.gate_up_proj[layer_idx]
         gate_up = F.linear(x, weight, bias)  # [S, 2 * intermediate]
         if self._native_elementwise(gate_up) and gate_up.shape[1] % 32 == 0:
@@ -204,7 +204,19 @@ class TransformerOps:
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate).mul_(up)
-        return self._project(layer_idx, "down", layer.mlp.down_proj, act)
+        return self._project(layer_idx, "down", layer.mlp.down_proj, act, residual)
+
+    def write_rows(self, dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
+        """dst[:, rows] = src for a layer's K or V: dst [Hkv, T, d], src [Hkv, A, d], rows [A] (sorted,
+        distinct). A plain copy when the rows are all of them; the native scatter for a bf16 model on the
+        CPU (one memcpy a row and head); else index_copy_ (a little faster than index_put for ~1k rows)."""
+        if rows.numel() == dst.shape[1]:
+            dst.copy_(src)
+        elif self._native_elementwise(src[0]) and dst.device.type == "cpu" and dst.stride(-1) == 1 and \
+                dst.stride(1) == dst.shape[2]:
+            self.rows_attention.scatter_rows(dst, src, rows.contiguous())
+        else:
+            dst.index_copy_(1, rows, src)
 
     def _native_elementwise(self, x: torch.Tensor) -> bool:
         """Whether rows x [S, W] go through the native row-wise ops (a bf16 build of the kernels, on the CPU)."""
@@ -224,19 +236,24 @@ class TransformerOps:
             h = h + delta
         return _rms_norm(norm, h), h
 
-    def _project(self, layer_idx: int, name: str, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """module(x) for x [S, in]; through the native AMX projection for the row counts a blend recomputes
-        (NATIVE_LINEAR_MAX_ROWS), where oneDNN's two-thread split is poor. Its packed weight is made at
-        first use (an extra copy of o_proj and down_proj: ~73 MB for SmolLM2-135M)."""
+    def _project(self, layer_idx: int, name: str, module: torch.nn.Linear, x: torch.Tensor,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """module(x) (+ residual) for x [S, in]; through the native AMX projection for the row counts a blend
+        recomputes (NATIVE_LINEAR_MAX_ROWS), where oneDNN's two-thread split is poor, with the residual add
+        in its epilogue. Its packed weight is made at first use (an extra copy of o_proj and down_proj:
+        ~73 MB for SmolLM2-135M)."""
         kernel = self.rows_attention
-        if kernel is None or not kernel.has_linear or x.shape[0] > NATIVE_LINEAR_MAX_ROWS or \
-                x.dtype != kernel.dtype or x.device.type != "cpu" or x.stride(-1) != 1:
-            return module(x)
-        key = (layer_idx, name)
-        if key not in self._packed:
-            self._packed[key] = kernel.pack_linear(module.weight, module.bias)
-        packed = self._packed[key]
-        return module(x) if packed is None else kernel.linear(x, packed, torch.get_num_threads())
+        packed = None
+        if kernel is not None and kernel.has_linear and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS and \
+                x.dtype == kernel.dtype and x.device.type == "cpu" and x.stride(-1) == 1 and \
+                (residual is None or residual.stride(-1) == 1):
+            key = (layer_idx, name)
+            if key not in self._packed:
+                self._packed[key] = kernel.pack_linear(module.weight, module.bias)
+            packed = self._packed[key]
+        if packed is not None:
+            return kernel.linear(x, packed, torch.get_num_threads(), residual)
+        return module(x) if residual is None else residual + module(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[S, D] -> float32 logits [S, vocab]."""
