@@ -55,9 +55,16 @@ static pool_t pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHRE
                       PTHREAD_MUTEX_INITIALIZER, 0, 0, NULL, 0, 0, 0};
 
 /* Waking a sleeping thread took ~75 us on this 2-vCPU VM (the idle vCPU halts), so a worker that has
- * just finished spins for up to POOL_SPIN_NS first. The layer loop calls the kernels back to back
+ * just finished spins for up to pool_spin_ns first. The layer loop calls the kernels back to back
  * (attention prepares its keys, then attends), with a few PyTorch ops in between. */
-#define POOL_SPIN_NS 200000L
+static long pool_spin_ns = 200000L;
+
+/* Sets how long (ns) an idle worker spins before it sleeps (0: at once); returns the previous value. */
+long kvb_set_pool_spin_ns(long ns) {
+    long old = pool_spin_ns;
+    pool_spin_ns = ns < 0 ? 0 : ns;
+    return old;
+}
 
 static long now_ns(void) {
     struct timespec ts;
@@ -66,7 +73,7 @@ static long now_ns(void) {
 }
 
 static void spin_while_generation(long seen) {
-    long deadline = now_ns() + POOL_SPIN_NS;
+    long deadline = now_ns() + pool_spin_ns;
     while (__atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE) == seen) {
         for (int i = 0; i < 32; i++) _mm_pause();
         if (now_ns() > deadline) return;
@@ -155,7 +162,7 @@ static void run_parallel(void *job, void (*run_item)(void *, long), long num_ite
     pthread_mutex_unlock(&pool.mu);
     work_thread(&w);
     /* the helpers usually finish within microseconds of this thread: spin rather than sleep on it */
-    long deadline = now_ns() + POOL_SPIN_NS;
+    long deadline = now_ns() + pool_spin_ns;
     while (__atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) > 0 && now_ns() < deadline)
         for (int i = 0; i < 32; i++) _mm_pause();
     pthread_mutex_lock(&pool.mu);
