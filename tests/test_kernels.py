@@ -96,15 +96,20 @@ def test_rows_never_see_a_later_key(kernel):
     torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=1e-2)
 
 
+def _scattered_rows_case(dtype: torch.dtype, seed: int, num_keys: int, num_rows: int):
+    """(q [A, 9, 64], k, v [3, T, 64], sorted random positions [A], RoPE tables): SmolLM2's grouping."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(3, num_keys, 64, generator=gen).to(dtype)
+    v = torch.randn(3, num_keys, 64, generator=gen).to(dtype)
+    q = torch.randn(num_rows, 9, 64, generator=gen).to(dtype)
+    positions = torch.randperm(num_keys, generator=gen)[:num_rows].sort().values
+    return q, k, v, positions, _rope_half(num_keys)
+
+
 def test_thread_counts_agree(kernel):
-    gen = torch.Generator().manual_seed(1)
-    k = torch.randn(3, 500, 64, generator=gen).to(kernel.dtype)
-    v = torch.randn(3, 500, 64, generator=gen).to(kernel.dtype)
-    q = torch.randn(120, 9, 64, generator=gen).to(kernel.dtype)
-    positions = torch.randperm(500, generator=gen)[:120].sort().values
-    rope = _rope_half(500)
-    one, _ = _run(kernel, q, k, v, positions, rope, num_threads=1)
-    three, _ = _run(kernel, q, k, v, positions, rope, num_threads=3)
+    case = _scattered_rows_case(kernel.dtype, 1, 500, 120)
+    one, _ = _run(kernel, *case, num_threads=1)
+    three, _ = _run(kernel, *case, num_threads=3)
     assert torch.equal(one, three)  # each tile is computed by one thread, the same way
 
 
@@ -205,15 +210,10 @@ def test_concurrent_calls_from_two_threads(kernel):
     starts its own threads. Both must give what a lone call gives."""
     import concurrent.futures
 
-    gen = torch.Generator().manual_seed(2)
-    k = torch.randn(3, 700, 64, generator=gen).to(kernel.dtype)
-    v = torch.randn(3, 700, 64, generator=gen).to(kernel.dtype)
-    q = torch.randn(200, 9, 64, generator=gen).to(kernel.dtype)
-    positions = torch.randperm(700, generator=gen)[:200].sort().values
-    rope = _rope_half(700)
-    alone, _ = _run(kernel, q, k, v, positions, rope, num_threads=2)
+    case = _scattered_rows_case(kernel.dtype, 2, 700, 200)
+    alone, _ = _run(kernel, *case, num_threads=2)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda _: _run(kernel, q, k, v, positions, rope, num_threads=2)[0], range(16)))
+        results = list(pool.map(lambda _: _run(kernel, *case, num_threads=2)[0], range(16)))
     assert all(torch.equal(r, alone) for r in results)
 
 

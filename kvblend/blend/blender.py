@@ -157,14 +157,16 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
             # Every row's K/V of this layer is written; only the last row's output (the logits) is read.
             last = active.numel() - 1
             q, h, active = q[:, last:], h[last:last + 1], active[last:]
-        # [A, Hq * d]; the native kernel returns it with h's zero pad rows, ready for o_proj
-        attn = attention(layer, q, k_pre[layer], v_all[layer], cache.k[layer, :, :T], active, h.shape[0])
+        if attention_check:  # o_proj and the MLP run for the kept rows only
+            keep, attn = _attention_check(ops, plan, layer, attention, q, active, k_pre[layer], v_all[layer],
+                                          cache.k[layer, :, :T], checks[layer])
+            active, h = active[keep], _pad_rows(h[keep])
+            recomputed = active[plan.is_stored(active)].cpu()
+        else:
+            # [A, Hq * d]; the native kernel returns it with h's zero pad rows, ready for o_proj
+            attn = attention(layer, q, k_pre[layer], v_all[layer], cache.k[layer, :, :T], active, h.shape[0])
         if recorder is not None:  # the attention call has just rotated this layer's keys into the cache
             recorder.add(q, cache.k[layer, :, :T], active)
-        if attention_check:  # o_proj and the MLP run for the kept rows only
-            keep = _attention_check_rows(ops, plan, layer, q, attn, active, k_pre[layer], v_all[layer], checks[layer])
-            active, attn, h = active[keep], attn[keep], _pad_rows(h[keep])
-            recomputed = active[plan.is_stored(active)].cpu()
         h = ops.finish_layer(layer, h, _pad_rows(attn, h.shape[0]))
     cache.length = T
     last_logits = ops.logits(h[active.numel() - 1:active.numel()])[0] if num_layers == ops.num_layers else None
@@ -222,6 +224,8 @@ class KernelAttention:
     """One native call per layer: rotates every key into the cache, then attends the active rows with an
     exact causal mask by position (kvblend/kernels/rows_attention.c)."""
 
+    head_subsets = True  # q may carry any number of query heads per KV head (the kernel's GQA factor)
+
     def __init__(self, ops: TransformerOps, rope_half: tuple[torch.Tensor, torch.Tensor], num_tokens: int):
         self.ops, self.rope_half = ops, rope_half
         kernel = ops.rows_attention
@@ -235,7 +239,7 @@ class KernelAttention:
         with ``num_out_rows`` > A that many rows, the ones past A zero (the hidden rows' padding)."""
         ops = self.ops
         num_rows = q.shape[1]
-        out = torch.empty(max(num_rows, num_out_rows), ops.num_heads * ops.head_dim, dtype=q.dtype, device=q.device)
+        out = torch.empty(max(num_rows, num_out_rows), q.shape[0] * ops.head_dim, dtype=q.dtype, device=q.device)
         out[num_rows:].zero_()
         ops.rows_attention(q.transpose(0, 1), k_pre, v, k_cache, self.rope_half, active, ops.scaling,
                            out[:num_rows], self.scratch, self.num_threads)
@@ -436,6 +440,27 @@ def _query_check_qkv(ops: TransformerOps, layer: int, h: torch.Tensor, active: t
     return q[:, :keep.numel()], keep, h
 
 
+def _attention_check(ops: TransformerOps, plan: PrefillPlan, layer: int, attention, q: torch.Tensor,
+                     active: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, k_cache: torch.Tensor,
+                     num_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An "attn" check layer: (local indices of the rows kept [K], their attention [K + pad, Hq * d]).
+
+    The rows are ranked by one query head of each KV group (``attention.head_subsets``: the native kernel
+    attends any subset of heads): every row's attention over every key is the costly part of the check,
+    and a third of SmolLM2's heads rank the rows (README: "Attention-output deviation, measured"). The kept
+    rows then attend with every head. q [Hq, A, d] pre-RoPE."""
+    check_q = q
+    if getattr(attention, "head_subsets", False):  # [Hkv, A, d], each row's heads dense, as the kernel reads
+        check_q = q[::ops.group_size].transpose(0, 1).contiguous().transpose(0, 1)
+    check_attn = attention(layer, check_q, k_layer, v_layer, k_cache, active)  # [A, Hc * d]
+    keep = _attention_check_rows(ops, plan, layer, check_q, check_attn, active, k_layer, v_layer, num_keep)
+    if check_q is q:
+        return keep, check_attn[keep]
+    kept_q = q.transpose(0, 1)[keep].transpose(0, 1)  # gathered in q_proj's own [A, Hq, d] layout
+    num_out_rows = -(-keep.numel() // ROW_ALIGN) * ROW_ALIGN  # as _pad_rows pads the kept hidden rows
+    return keep, attention(layer, kept_q, k_layer, v_layer, k_cache, active[keep], num_out_rows)
+
+
 def _attention_check_rows(ops: TransformerOps, plan: PrefillPlan, layer: int, q: torch.Tensor, attn: torch.Tensor,
                           active: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
                           num_keep: int) -> torch.Tensor:
@@ -459,7 +484,7 @@ def _local_attention(ops: TransformerOps, plan: PrefillPlan, layer: int, q: torc
     its keys keep their distances to each other (RoPE sees nothing else). About a tenth of the full
     attention's work for ten chunks."""
     prefix = plan.prefix_len
-    out = torch.empty(rows.numel(), ops.num_heads * ops.head_dim, dtype=q.dtype, device=q.device)
+    out = torch.empty(rows.numel(), q.shape[0] * ops.head_dim, dtype=q.dtype, device=q.device)
     bounds = torch.tensor([b for span in plan.chunk_spans for b in span], device=rows.device)
     cuts = torch.searchsorted(rows, bounds).tolist()  # [lo, hi) of each span's rows in ``rows``
     covered = 0

@@ -189,7 +189,8 @@ class RowsAttention:
 
     @property
     def has_elementwise(self) -> bool:
-        """Whether this build has the row-wise ops (``rms_norm``, ``silu_mul``): both bf16 builds do."""
+        """Whether this build has the row-wise ops (``rms_norm``, ``silu_mul``, ``scatter_rows``): both bf16
+        builds do."""
         return hasattr(self.lib, "kvb_rms_norm")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, num_threads: int,
@@ -203,6 +204,8 @@ class RowsAttention:
         total = None
         if delta is not None:
             self._check_rows(delta, "delta", dim)
+            if delta.shape[0] != rows:
+                raise ValueError(f"delta has {delta.shape[0]} rows, x {rows}")
             total = torch.empty(rows, dim, dtype=x.dtype)
         rc = self.lib.kvb_rms_norm(x.data_ptr(), x.stride(0), None if delta is None else delta.data_ptr(),
                                    0 if delta is None else delta.stride(0), None if total is None else total.data_ptr(),

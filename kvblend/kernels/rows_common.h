@@ -34,11 +34,12 @@ static void *work_thread(void *arg) {
     return NULL;
 }
 
-/* Threads kept between calls: starting one took ~80 us on a 2-core Sapphire Rapids (with its first AMX
- * use, which makes the kernel allocate tile state), against 0.1-1 ms for a whole call at a blend's row
- * counts. Idle workers sleep on a condition variable (they must not spin: PyTorch's threads share the
- * cores between calls). One call at a time uses the pool; a call that finds it busy (another Python
- * thread) starts its own threads as before. A forked child starts with an empty pool. */
+/* Threads kept between calls. Starting threads for every call cost ~80 us a call on a 2-core Sapphire
+ * Rapids, against 0.1-1 ms for a whole call at a blend's row counts. Idle workers spin briefly
+ * (pool_spin_ns), then sleep on a condition variable: they must not spin for long, because PyTorch's
+ * threads share the cores between calls. One call at a time uses the pool. A call that finds it busy
+ * (another Python thread) starts its own threads, as every call did before. A forked child starts with an
+ * empty pool. */
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t start, done;
