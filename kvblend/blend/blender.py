@@ -235,8 +235,9 @@ class KernelAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  active: torch.Tensor, num_out_rows: int = 0) -> torch.Tensor:
-        """q [Hq, A, d] pre-RoPE of rows ``active``; k_pre, v, k_cache [Hkv, T, d]. Returns [A, Hq * d], or
-        with ``num_out_rows`` > A that many rows, the ones past A zero (the hidden rows' padding)."""
+        """q [H, A, d] pre-RoPE of rows ``active`` (H: the model's query heads, or any subset with the same
+        count per KV head); k_pre, v, k_cache [Hkv, T, d]. Returns [A, H * d], or with ``num_out_rows`` > A
+        that many rows, the ones past A zero (the hidden rows' padding)."""
         ops = self.ops
         num_rows = q.shape[1]
         out = torch.empty(max(num_rows, num_out_rows), q.shape[0] * ops.head_dim, dtype=q.dtype, device=q.device)
