@@ -11,6 +11,7 @@ import logging
 import sys
 
 from kvblend.cli_registry import add_command_parsers
+from kvblend.config import apply_openmp_defaults
 
 # (command, module, help). The module defines `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: list[tuple[str, str, str]] = [
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_openmp_defaults()  # before any command imports torch
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

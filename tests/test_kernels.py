@@ -334,3 +334,19 @@ def test_a_build_failing_its_self_check_is_never_loaded(broken, tmp_path):
         assert not failed.exists()
     else:
         assert failed.read_text().strip() == message
+
+
+def test_openmp_spin_default_leaves_the_users_choice(monkeypatch):
+    """The CLI sets GOMP_SPINCOUNT before torch loads OpenMP, unless a spin count or wait policy is set."""
+    import os
+
+    from kvblend.config import OPENMP_SPIN_COUNT, apply_openmp_defaults
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert apply_openmp_defaults() and os.environ["GOMP_SPINCOUNT"] == OPENMP_SPIN_COUNT
+    monkeypatch.setenv("GOMP_SPINCOUNT", "5")
+    assert not apply_openmp_defaults() and os.environ["GOMP_SPINCOUNT"] == "5"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert not apply_openmp_defaults() and "GOMP_SPINCOUNT" not in os.environ
