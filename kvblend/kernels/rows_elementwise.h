@@ -75,8 +75,9 @@ int kvb_rms_norm(const bf16 *x, long ldx, const bf16 *delta, long ldd, bf16 *sum
     return 0;
 }
 
-/* e^x in fp32 to ~1e-8 relative: 2^n * 2^f with n = round(x log2 e) and a degree-7 Taylor polynomial
- * of 2^f on [-0.5, 0.5]; inputs below -87 give 0-ish, above 88 +inf (as expf). */
+/* e^x in fp32 to ~1e-8 relative: 2^n * e^g with n = round(x log2 e), g = (x log2 e - n) ln 2 in
+ * [-0.35, 0.35] and a degree-7 Taylor polynomial of e^g. Inputs below ~-87 give (flushed) 0, above
+ * ~88.7 +inf, as expf. */
 static inline __m512 exp_ps(__m512 x) {
     __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(1.4426950408889634f));
     t = _mm512_min_ps(t, _mm512_set1_ps(128.0f));
