@@ -96,11 +96,13 @@ static void linear_block16(const linear_job *jb, const bf16 *x0, long ldx, long 
     linear_store(jb, acc, row0, num_rows, nb * LIN_BLOCK);
 }
 
-/* Item -> (column block, row block), column blocks outermost so a thread's packed weight panel stays in
- * its cache while it walks the rows. */
-static void linear_item(void *job, long item) {
-    const linear_job *jb = (const linear_job *)job;
-    long nb = item / jb->num_row_blocks, rb = item % jb->num_row_blocks;
+/* Column blocks per work item: the item's 32 input rows stay in L1 across them. Measured (2-core Sapphire
+ * Rapids, 960 rows) against one block an item: o_proj 0.37 against 0.43 ms, down_proj 0.84 against 1.07,
+ * gate_up 1.92 against 2.68 (oneDNN: 1.61). */
+#define LIN_GROUP 4
+
+/* Rows [32 rb, 32 rb + 32) x columns of block nb (a partial last row block through the padded tail). */
+static void linear_block(const linear_job *jb, long nb, long rb) {
     long row0 = rb * LIN_BLOCK;
     long rows = jb->m - row0 < LIN_BLOCK ? jb->m - row0 : LIN_BLOCK;
     const bf16 *x0 = jb->x + row0 * jb->ldx;
@@ -113,6 +115,15 @@ static void linear_item(void *job, long item) {
         linear_block16(jb, x0, jb->ldx, nb, row0, 16);
     if (rows > full16)
         linear_block16(jb, jb->tail, jb->k, nb, jb->tail_row, (int)(rows - full16));
+}
+
+/* Item -> (group of LIN_GROUP column blocks, row block), groups outermost so the threads share a group's
+ * packed weight panels while they walk the rows. */
+static void linear_item(void *job, long item) {
+    const linear_job *jb = (const linear_job *)job;
+    long group = item / jb->num_row_blocks, rb = item % jb->num_row_blocks;
+    for (long nb = group * LIN_GROUP; nb < (group + 1) * LIN_GROUP && nb < jb->num_col_blocks; nb++)
+        linear_block(jb, nb, rb);
 }
 
 /* Bytes of kvb_linear_pack's output for an [n, k] weight. */
@@ -159,7 +170,7 @@ int kvb_linear(const bf16 *x, long ldx, long m, long k, const bf16 *packed, long
             memcpy(tail + r * k, x + (jb.tail_row + r) * ldx, (size_t)(k * 2));
         jb.tail = tail;
     }
-    run_parallel(&jb, linear_item, jb.num_row_blocks * jb.num_col_blocks,
+    run_parallel(&jb, linear_item, jb.num_row_blocks * ((jb.num_col_blocks + LIN_GROUP - 1) / LIN_GROUP),
                  num_threads > MAX_THREADS ? MAX_THREADS : num_threads, load_tile_config, tile_release);
     free(tail);
     return 0;

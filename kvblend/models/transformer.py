@@ -261,9 +261,10 @@ class TransformerOps:
 
 
 # Most rows o_proj and down_proj take through the native AMX projection (kvblend/kernels/amx_linear.h).
-# Measured on a 2-core Sapphire Rapids, bf16, SmolLM2 shapes, at 960 rows: o_proj 0.43 ms against oneDNN's
-# 0.52, down_proj 0.89 against 1.39; at 3,104 rows oneDNN wins (0.81 / 2.21 ms against 1.64 / 3.52). qkv and
-# gate_up stay on oneDNN at every size (960 rows: 0.60 / 1.38 ms against the kernel's 0.69 / 2.31).
+# Measured on a 2-core Sapphire Rapids, bf16, SmolLM2 shapes, median of 25 calls, at 960 rows: o_proj 0.37 ms
+# against oneDNN's 0.60, down_proj 0.84 against 1.77; at 3,104 rows oneDNN wins (0.95 / 2.72 ms against
+# 1.26 / 2.82). qkv and gate_up stay on oneDNN at every size (960 rows: 0.56 / 1.61 ms against the kernel's
+# 0.67 / 1.92).
 NATIVE_LINEAR_MAX_ROWS = 2048
 
 # Most rows one MLP call takes on the CPU, by dtype. Measured on a 2-core Sapphire Rapids (SmolLM2 shapes,
