@@ -146,6 +146,8 @@ def test_linear_matches_fp32_math_rounded_once(kernel, num_rows):
     residual = torch.randn(num_rows, 576, generator=gen).to(kernel.dtype)
     summed = kernel.linear(x, kernel.pack_linear(w, bias), 2, residual)  # rounded product, then the add
     assert torch.equal(summed, residual + out)
+    into = torch.zeros(num_rows, 640, dtype=kernel.dtype)[:, :576]  # a caller's rows (an MLP row block)
+    assert kernel.linear(x, kernel.pack_linear(w, bias), 2, residual, into) is into and torch.equal(into, summed)
 
 
 def test_linear_refuses_shapes_it_does_not_take(kernel):

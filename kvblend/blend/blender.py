@@ -251,6 +251,8 @@ class TorchAttention:
     """PyTorch kernels: causal SDPA when every row is active, else position blocks (``row_blocks``)
     of grouped queries through ``TransformerOps.attend_rows``."""
 
+    head_subsets = False  # q carries every query head
+
     def __init__(self, ops: TransformerOps, num_tokens: int):
         self.ops = ops
         self.num_tokens = num_tokens
@@ -451,7 +453,7 @@ def _attention_check(ops: TransformerOps, plan: PrefillPlan, layer: int, attenti
     and a third of SmolLM2's heads rank the rows (README: "Attention-output deviation, measured"). The kept
     rows then attend with every head. q [Hq, A, d] pre-RoPE."""
     check_q = q
-    if getattr(attention, "head_subsets", False):  # [Hkv, A, d], each row's heads dense, as the kernel reads
+    if attention.head_subsets:  # [Hkv, A, d], each row's heads dense, as the kernel reads
         check_q = q[::ops.group_size].transpose(0, 1).contiguous().transpose(0, 1)
     check_attn = attention(layer, check_q, k_layer, v_layer, k_cache, active)  # [A, Hc * d]
     keep = _attention_check_rows(ops, plan, layer, check_q, check_attn, active, k_layer, v_layer, num_keep)
@@ -480,8 +482,8 @@ def _attention_check_rows(ops: TransformerOps, plan: PrefillPlan, layer: int, q:
 
 def _local_attention(ops: TransformerOps, plan: PrefillPlan, layer: int, q: torch.Tensor, rows: torch.Tensor,
                      k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
-    """Attention of stored chunk ``rows`` [C] (ascending; q [Hq, C, d] pre-RoPE) over the prompt's prefix
-    and their own chunk only -> [C, Hq * d]. Each chunk goes right after the prefix, as it was cached, so
+    """Attention of stored chunk ``rows`` [C] (ascending; q [H, C, d] pre-RoPE, every query head or the
+    check's subset) over the prompt's prefix and their own chunk only -> [C, H * d]. Each chunk goes right after the prefix, as it was cached, so
     its keys keep their distances to each other (RoPE sees nothing else). About a tenth of the full
     attention's work for ten chunks."""
     prefix = plan.prefix_len

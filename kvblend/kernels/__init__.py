@@ -164,14 +164,19 @@ class RowsAttention:
         return PackedLinear(packed, num_out, num_in, None if bias is None else bias.detach().float().contiguous())
 
     def linear(self, x: torch.Tensor, weight: "PackedLinear", num_threads: int,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] (dense rows) @ W^T + bias -> [M, N], fp32 accumulation, rounded once to bf16; with
-        ``residual`` [M, N], residual + that (rounded again, as a separate add)."""
+        ``residual`` [M, N], residual + that (rounded again, as a separate add). Written into ``out``
+        ([M, N], dense rows) when given, else a new tensor."""
         if x.dtype != self.dtype or x.device.type != "cpu":
             raise ValueError(f"x must be a {dtype_name(self.dtype)} CPU tensor, got {x.dtype} on {x.device}")
         if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != weight.num_in:
             raise ValueError(f"x must be [M, {weight.num_in}] with dense rows, got {tuple(x.shape)}")
-        out = torch.empty(x.shape[0], weight.num_out, dtype=x.dtype)
+        if out is None:
+            out = torch.empty(x.shape[0], weight.num_out, dtype=x.dtype)
+        self._check_rows(out, "out", weight.num_out)
+        if out.shape[0] != x.shape[0]:
+            raise ValueError(f"out has {out.shape[0]} rows, x {x.shape[0]}")
         if residual is not None:
             self._check_rows(residual, "residual", weight.num_out)
             if residual.shape[0] != x.shape[0]:
@@ -180,7 +185,7 @@ class RowsAttention:
         rc = self.lib.kvb_linear(x.data_ptr(), x.stride(0), x.shape[0], weight.num_in, weight.packed.data_ptr(),
                                  weight.num_out, None if bias is None else bias.data_ptr(),
                                  None if residual is None else residual.data_ptr(),
-                                 0 if residual is None else residual.stride(0), out.data_ptr(), weight.num_out,
+                                 0 if residual is None else residual.stride(0), out.data_ptr(), out.stride(0),
                                  max(1, num_threads))
         if rc != 0:
             raise ValueError(f"the linear kernel rejected [{x.shape[0]}, {weight.num_in}] x [{weight.num_out}, "

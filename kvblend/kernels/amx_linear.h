@@ -126,9 +126,6 @@ static void linear_item(void *job, long item) {
         linear_block(jb, nb, rb);
 }
 
-/* Bytes of kvb_linear_pack's output for an [n, k] weight. */
-long kvb_linear_packed_bytes(long n, long k) { return n * k * 2; }
-
 /* Pack w [n, k] (row-major bf16) for kvb_linear. Returns -1 unless n and k are multiples of 32. */
 int kvb_linear_pack(const bf16 *w, long n, long k, bf16 *packed) {
     if (n <= 0 || k <= 0 || n % LIN_BLOCK || k % LIN_BLOCK)

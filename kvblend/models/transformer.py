@@ -189,14 +189,15 @@ class TransformerOps:
             return self._mlp(layer_idx, x, h)
         out = torch.empty_like(h)
         for rows in blocks:
-            out[rows] = self._mlp(layer_idx, x[rows], h[rows])
+            self._mlp(layer_idx, x[rows], h[rows], out[rows])
         return out
 
-    def _mlp(self, layer_idx: int, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + the MLP's output, for normed rows x [S, D] (residual [S, D])."""
+    def _mlp(self, layer_idx: int, x: torch.Tensor, residual: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + the MLP's output, for normed rows x [S, D] (residual [S, D]); into ``out`` when given."""
         layer = self.layers[layer_idx]
         if not self.fused_mlp:
-            return residual + layer.mlp(x)
+            return torch.add(residual, layer.mlp(x), out=out)
         weight, bias = self.gate_up_proj[layer_idx]
         gate_up = F.linear(x, weight, bias)  # [S, 2 * intermediate]
         if self._native_elementwise(gate_up) and gate_up.shape[1] % 32 == 0:
@@ -204,7 +205,7 @@ class TransformerOps:
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate).mul_(up)
-        return self._project(layer_idx, "down", layer.mlp.down_proj, act, residual)
+        return self._project(layer_idx, "down", layer.mlp.down_proj, act, residual, out)
 
     def write_rows(self, dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
         """dst[:, rows] = src for a layer's K or V: dst [Hkv, T, d], src [Hkv, A, d], rows [A] (sorted,
@@ -237,23 +238,26 @@ class TransformerOps:
         return _rms_norm(norm, h), h
 
     def _project(self, layer_idx: int, name: str, module: torch.nn.Linear, x: torch.Tensor,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """module(x) (+ residual) for x [S, in]; through the native AMX projection for the row counts a blend
         recomputes (NATIVE_LINEAR_MAX_ROWS), where oneDNN's two-thread split is poor, with the residual add
-        in its epilogue. Its packed weight is made at first use (an extra copy of o_proj and down_proj:
-        ~73 MB for SmolLM2-135M)."""
+        in its epilogue. ``out``: where the result goes, else a new tensor. Its packed weight is made at
+        first use (an extra copy of o_proj and down_proj: ~73 MB for SmolLM2-135M)."""
         kernel = self.rows_attention
         packed = None
         if kernel is not None and kernel.has_linear and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS and \
                 x.dtype == kernel.dtype and x.device.type == "cpu" and x.stride(-1) == 1 and \
-                (residual is None or residual.stride(-1) == 1):
+                all(t is None or t.stride(-1) == 1 for t in (residual, out)):
             key = (layer_idx, name)
             if key not in self._packed:
                 self._packed[key] = kernel.pack_linear(module.weight, module.bias)
             packed = self._packed[key]
         if packed is not None:
-            return kernel.linear(x, packed, torch.get_num_threads(), residual)
-        return module(x) if residual is None else residual + module(x)
+            return kernel.linear(x, packed, torch.get_num_threads(), residual, out)
+        y = module(x)
+        if residual is not None:
+            return torch.add(residual, y, out=out)
+        return y if out is None else out.copy_(y)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[S, D] -> float32 logits [S, vocab]."""
