@@ -20,6 +20,7 @@ from kvblend.config import EngineConfig, ModelConfig
 from kvblend.engine.engine import create_engine
 from kvblend.engine.request import GenerationRequest, SamplingParams
 from kvblend.kernels import KERNEL_SPECS, KERNELS_BY_NAME, KernelUnavailable, dtype_name, load_rows_attention
+from kvblend.kernels.selfcheck import check_key_mass, reference_key_mass
 from kvblend.kernels.selfcheck import rope_half_tables as _rope_half, rotate as _rotate
 
 # output atol, rotated-key (atol, rtol) per kernel dtype
@@ -123,6 +124,55 @@ def test_bad_arguments_are_rejected(kernel):
     other = torch.float16
     with pytest.raises(ValueError, match=f"{dtype_name(kernel.dtype)} CPU tensor"):
         kernel(q.to(other), k, k, None, None, torch.tensor([3, 4]), 0.125, out, scratch, 1)
+
+
+@pytest.mark.parametrize("num_keys,num_rows,rep", [
+    (6254, 30, 3),   # lookahead's reuse pass on the embedded model: the query rows at the end
+    (700, 700, 7),   # every row, Qwen2-0.5B's grouping (tiles of several positions)
+    (300, 37, 3),    # scattered rows; the last key step is partial
+    (33, 1, 1),      # one row, one key past a block
+])
+def test_key_mass_is_the_softmax_probabilities_summed_over_rows_and_heads(kernel, num_keys, num_rows, rep):
+    """key_mass (the bf16 builds): each key's attention probability summed over rows and query heads, the
+    ranking lookahead's reuse pass records, against fp32 softmax fed the kernel's bf16 rotated queries
+    (selfcheck.KEY_MASS_RTOL). Every row's probabilities sum to 1, so the mass sums to rows x heads."""
+    if not kernel.has_key_mass:
+        pytest.skip(f"the {kernel.name} kernel records no key mass")
+    gen = torch.Generator().manual_seed(num_keys)
+    k = torch.randn(2, num_keys, 64, generator=gen).to(kernel.dtype)
+    v = torch.randn(2, num_keys, 64, generator=gen).to(kernel.dtype)
+    q = (torch.randn(num_rows, 2 * rep, 64, generator=gen) * 3).to(kernel.dtype)  # peaked: the max moves
+    positions = torch.randperm(num_keys, generator=gen)[:num_rows].sort().values
+    if num_rows == num_keys or num_rows == 30:
+        positions = torch.arange(num_keys - num_rows, num_keys)
+    rope = _rope_half(num_keys)
+    _, k_rot = _reference(q, k, v, positions, rope)
+    q_rot = _rotate(q.transpose(0, 1), rope[0][positions], rope[1][positions])  # [Hq, A, d]
+    mask = torch.arange(num_keys)[None, :] <= positions[:, None]
+    ref = reference_key_mass(q_rot, k_rot.to(kernel.dtype).float(), mask, 1 / 8)
+    check_key_mass(kernel, q, k, v, positions, rope, ref)  # raises past the tolerance
+    mass = torch.zeros(num_keys)
+    out = torch.empty(num_rows, 2 * rep * 64, dtype=kernel.dtype)
+    scratch = torch.empty(kernel.scratch_bytes(num_keys, 2), dtype=torch.uint8)
+    kernel(q, k, v, None, rope, positions, 1 / 8, out, scratch, 2, key_mass=mass)
+    assert mass.sum().item() == pytest.approx(num_rows * 2 * rep, rel=1e-4)
+    assert mass[int(positions[-1]) + 1:].abs().sum().item() == 0  # no row reads a key after its position
+    assert torch.equal(out, _run(kernel, q, k, v, positions, rope)[0])  # recording leaves the output alone
+
+
+def test_key_mass_is_refused_with_a_wrong_buffer_or_build(kernel):
+    k = torch.zeros(1, 10, 64, dtype=kernel.dtype)
+    q = torch.zeros(2, 1, 64, dtype=kernel.dtype)
+    out = torch.empty(2, 64, dtype=kernel.dtype)
+    scratch = torch.empty(kernel.scratch_bytes(10, 1), dtype=torch.uint8)
+    positions = torch.tensor([3, 4])
+    if not kernel.has_key_mass:
+        with pytest.raises(ValueError, match="does not sum key mass"):
+            kernel(q, k, k, None, None, positions, 0.125, out, scratch, 1, key_mass=torch.zeros(10))
+        return
+    for bad in (torch.zeros(9), torch.zeros(10, dtype=torch.float64), torch.zeros(20)[::2]):
+        with pytest.raises(ValueError, match=r"key_mass must be a contiguous float32 CPU tensor \[10\]"):
+            kernel(q, k, k, None, None, positions, 0.125, out, scratch, 1, key_mass=bad)
 
 
 @pytest.mark.parametrize("num_rows", [1, 16, 45, 96, 960])

@@ -163,10 +163,13 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
             active, h = active[keep], _pad_rows(h[keep])
             recomputed = active[plan.is_stored(active)].cpu()
         else:
-            # [A, Hq * d]; the native kernel returns it with h's zero pad rows, ready for o_proj
-            attn = attention(layer, q, k_pre[layer], v_all[layer], cache.k[layer, :, :T], active, h.shape[0])
-        if recorder is not None:  # the attention call has just rotated this layer's keys into the cache
-            recorder.add(q, cache.k[layer, :, :T], active)
+            # [A, Hq * d]; the native kernel returns it with h's zero pad rows, ready for o_proj. A kernel
+            # that sums key mass records the query's attention in the same call.
+            key_mass = recorder.total if recorder is not None and attention.records_key_mass else None
+            attn = attention(layer, q, k_pre[layer], v_all[layer], cache.k[layer, :, :T], active, h.shape[0],
+                             key_mass=key_mass)
+            if recorder is not None and key_mass is None:  # the call has just rotated the keys into the cache
+                recorder.add(q, cache.k[layer, :, :T], active)
         h = ops.finish_layer(layer, h, _pad_rows(attn, h.shape[0]))
     cache.length = T
     last_logits = ops.logits(h[active.numel() - 1:active.numel()])[0] if num_layers == ops.num_layers else None
@@ -174,6 +177,8 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
 
 
 def _layers_to_run(ops: TransformerOps, plan: PrefillPlan) -> int:
+    if plan.record_query_attention and plan.check_layers:
+        raise ValueError("record_query_attention is for plans without check layers (lookahead's reuse pass)")
     if plan.num_layers is None or plan.num_layers == ops.num_layers:
         return ops.num_layers
     if not 1 <= plan.num_layers < ops.num_layers:
@@ -190,13 +195,22 @@ class QueryAttentionRecorder:
     few query rows."""
 
     def __init__(self, ops: TransformerOps, num_tokens: int):
-        self.ops = ops
-        self.cos, self.sin = ops.rope_cos_sin(torch.arange(num_tokens, device=ops.device))  # [T, d]
-        self.total = torch.zeros(num_tokens, dtype=torch.float32, device=ops.device)  # [T]
+        self.ops, self.num_tokens = ops, num_tokens
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        # [T]; a kernel with key mass (KernelAttention.records_key_mass) adds to it directly
+        self.total = torch.zeros(num_tokens, dtype=torch.float32, device=ops.device)
+
+    @property
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, d] each; made at first use (not needed where the kernel records)."""
+        if self._cos_sin is None:
+            self._cos_sin = self.ops.rope_cos_sin(torch.arange(self.num_tokens, device=self.ops.device))
+        return self._cos_sin
 
     def add(self, q: torch.Tensor, keys: torch.Tensor, active: torch.Tensor) -> None:
         """q [Hq, A, d] pre-RoPE of rows ``active``; keys [Hkv, T, d] post-RoPE (the layer's cache)."""
-        q_rot = apply_rope(q, self.cos[active], self.sin[active])
+        cos, sin = self.cos_sin
+        q_rot = apply_rope(q, cos[active], sin[active])
         self.total += query_attention(q_rot, keys, active, self.ops.scaling)
 
 
@@ -233,17 +247,23 @@ class KernelAttention:
         self.scratch = torch.empty(kernel.scratch_bytes(num_tokens, ops.num_kv_heads), dtype=torch.uint8)
         self.num_threads = torch.get_num_threads()
 
+    @property
+    def records_key_mass(self) -> bool:
+        """The bf16 builds also sum the attention each key receives (lookahead's reuse pass records it)."""
+        return self.ops.rows_attention.has_key_mass
+
     def __call__(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 active: torch.Tensor, num_out_rows: int = 0) -> torch.Tensor:
+                 active: torch.Tensor, num_out_rows: int = 0, key_mass: torch.Tensor | None = None) -> torch.Tensor:
         """q [H, A, d] pre-RoPE of rows ``active`` (H: the model's query heads, or any subset with the same
         count per KV head); k_pre, v, k_cache [Hkv, T, d]. Returns [A, H * d], or with ``num_out_rows`` > A
-        that many rows, the ones past A zero (the hidden rows' padding)."""
+        that many rows, the ones past A zero (the hidden rows' padding). key_mass (``records_key_mass``):
+        fp32 [T], += the attention probability each key receives, summed over the rows and heads."""
         ops = self.ops
         num_rows = q.shape[1]
         out = torch.empty(max(num_rows, num_out_rows), q.shape[0] * ops.head_dim, dtype=q.dtype, device=q.device)
         out[num_rows:].zero_()
         ops.rows_attention(q.transpose(0, 1), k_pre, v, k_cache, self.rope_half, active, ops.scaling,
-                           out[:num_rows], self.scratch, self.num_threads)
+                           out[:num_rows], self.scratch, self.num_threads, key_mass=key_mass)
         return out
 
 
@@ -252,6 +272,7 @@ class TorchAttention:
     of grouped queries through ``TransformerOps.attend_rows``."""
 
     head_subsets = False  # q carries every query head
+    records_key_mass = False  # QueryAttentionRecorder.add recomputes the probabilities
 
     def __init__(self, ops: TransformerOps, num_tokens: int):
         self.ops = ops
@@ -263,8 +284,9 @@ class TorchAttention:
         self._blocks: list[RowBlock] = []
 
     def __call__(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 active: torch.Tensor, num_out_rows: int = 0) -> torch.Tensor:
-        """As ``KernelAttention``, but returns [A, Hq * d] whatever ``num_out_rows`` (callers pad)."""
+                 active: torch.Tensor, num_out_rows: int = 0, key_mass: None = None) -> torch.Tensor:
+        """As ``KernelAttention``, but returns [A, Hq * d] whatever ``num_out_rows`` (callers pad), and
+        records no key mass."""
         ops, cos, sin = self.ops, self.cos, self.sin
         # Keys of every row at their absolute positions; stored rows are re-positioned here.
         apply_rope(k_pre, cos, sin, out=k_cache, halved=self.halved)
@@ -433,7 +455,7 @@ def _query_check_qkv(ops: TransformerOps, layer: int, h: torch.Tensor, active: t
     query = (~is_stored).nonzero().flatten()  # local indices of the query rows
     (q_query,) = ops.qkv(layer, _pad_rows(h[query]), "q")
     recorder = QueryAttentionRecorder(ops, T)
-    keys = apply_rope(k_layer, recorder.cos, recorder.sin)  # [Hkv, T, d]: every row at its absolute position
+    keys = apply_rope(k_layer, *recorder.cos_sin)  # [Hkv, T, d]: every row at its absolute position
     recorder.add(q_query[:, :query.numel()], keys, active[query])
     received = recorder.total  # [T]
     cand = is_stored.nonzero().flatten()

@@ -110,13 +110,16 @@ class RowsAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rot: torch.Tensor | None,
                  rope_half: tuple[torch.Tensor, torch.Tensor] | None, positions: torch.Tensor,
-                 scale: float, out: torch.Tensor, scratch: torch.Tensor, num_threads: int) -> torch.Tensor:
+                 scale: float, out: torch.Tensor, scratch: torch.Tensor, num_threads: int,
+                 key_mass: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of rows at sorted ``positions`` [A] (int64) over keys [0, num_keys).
 
         q [A, Hq, d] pre-RoPE (rows may be strided, heads dense); k, v [Hkv, num_keys, d] (k pre-RoPE);
         k_rot [Hkv, num_keys, d] receives the rotated keys (the attention cache) or None;
         rope_half: fp32 (cos, sin) [>= num_keys, d/2] by position, or None when q and k are rotated;
-        out [A, Hq * d] (rows may be strided). All of the kernel's dtype on the CPU. Returns ``out``."""
+        out [A, Hq * d] (rows may be strided). All of the kernel's dtype on the CPU. Returns ``out``.
+        key_mass: fp32 [num_keys] (``has_key_mass`` builds): each key's attention probability, summed over
+        the rows and query heads, is added to it."""
         num_rows, num_heads, d = q.shape
         num_kv_heads, num_keys, _ = k.shape
         for t, name in ((q, "q"), (k, "k"), (v, "v"), (k_rot, "k_rot"), (out, "out")):
@@ -135,16 +138,30 @@ class RowsAttention:
             if cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous() or \
                     cos.shape[0] < num_keys or cos.shape[1] != d // 2:
                 raise ValueError("rope tables must be contiguous fp32 [>= num_keys, head_dim / 2]")
-        rc = self.lib.kvb_rows_attention(
-            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-            None if k_rot is None else k_rot.data_ptr(), 0 if k_rot is None else k_rot.stride(0),
-            None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
-            positions.data_ptr(), num_rows, num_keys, num_kv_heads, num_heads // num_kv_heads, d, scale,
-            out.data_ptr(), out.stride(0), scratch.data_ptr(), scratch.numel(), max(1, num_threads))
+        args = (q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                None if k_rot is None else k_rot.data_ptr(), 0 if k_rot is None else k_rot.stride(0),
+                None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+                positions.data_ptr(), num_rows, num_keys, num_kv_heads, num_heads // num_kv_heads, d, scale,
+                out.data_ptr(), out.stride(0), scratch.data_ptr(), scratch.numel(), max(1, num_threads))
+        if key_mass is None:
+            rc = self.lib.kvb_rows_attention(*args)
+        else:
+            if not self.has_key_mass:
+                raise ValueError(f"the {self.name} kernel does not sum key mass (has_key_mass is False)")
+            if key_mass.dtype != torch.float32 or key_mass.device.type != "cpu" or not key_mass.is_contiguous() \
+                    or key_mass.shape != (num_keys,):
+                raise ValueError(f"key_mass must be a contiguous float32 CPU tensor [{num_keys}] (one entry per key), "
+                                 f"got {key_mass.dtype} {tuple(key_mass.shape)} on {key_mass.device}")
+            rc = self.lib.kvb_rows_attention_mass(*args, key_mass.data_ptr())
         if rc != 0:
             raise ValueError(f"rows attention rejected its arguments (rc={rc}): rows={num_rows}, "
                              f"keys={num_keys}, heads={num_heads}/{num_kv_heads}, head_dim={d}")
         return out
+
+    @property
+    def has_key_mass(self) -> bool:
+        """Whether this build sums each key's attention probability (``key_mass``): both bf16 builds do."""
+        return hasattr(self.lib, "kvb_rows_attention_mass")
 
     @property
     def has_linear(self) -> bool:
@@ -400,5 +417,9 @@ def _declare(lib: ctypes.CDLL, init_symbol: str | None) -> None:
         lib.kvb_linear_pack.argtypes = [P, L, L, P]
         lib.kvb_linear.restype = I
         lib.kvb_linear.argtypes = [P, L, L, L, P, L, P, P, L, P, L, I]
+    attention_args = [P, L, P, L, P, L, P, L, P, P, P, L, L, I, I, I, ctypes.c_float, P, L, P, L, I]
     lib.kvb_rows_attention.restype = I
-    lib.kvb_rows_attention.argtypes = [P, L, P, L, P, L, P, L, P, P, P, L, L, I, I, I, ctypes.c_float, P, L, P, L, I]
+    lib.kvb_rows_attention.argtypes = attention_args
+    if hasattr(lib, "kvb_rows_attention_mass"):  # the bf16 builds: also the attention each key receives
+        lib.kvb_rows_attention_mass.restype = I
+        lib.kvb_rows_attention_mass.argtypes = [*attention_args, P]

@@ -97,7 +97,17 @@ typedef struct {
     bf16 *vp;             /* [h][32-key block][16 key pairs][HEAD_DIM][2] */
     long num_blocks;      /* 32-key blocks per head */
     long tiles_per_head;
+    float *key_mass;      /* [num_keys] += the attention each key receives, summed over rows and heads; or NULL */
+    struct tile_kept *kept; /* [num_kv_heads * tiles_per_head] when key_mass: what the mass pass needs of a tile */
 } job_t;
+
+/* A tile's rotated queries and final softmax terms, kept by attend_tile for the key-mass pass. */
+typedef struct tile_kept {
+    bf16 q[ROWS * HEAD_DIM] __attribute__((aligned(64)));
+    float ref[ROWS], inv_sum[ROWS]; /* probability of key j: 2^(S c - ref) * inv_sum */
+    int32_t pos[ROWS];
+    int valid; /* rows past it are padding */
+} tile_kept;
 
 /* dst[0:64] = RoPE(src[0:64]) with x1' = x1 c - x2 s, x2' = x2 c + x1 s (HF rotate_half convention),
  * in fp32, rounded once to bf16. c, s: NULL copies. */
@@ -442,6 +452,53 @@ static void attend_tile(job_t *job, int h, long m0) {
             _mm512_storeu_si512(dst + cc, (__m512i)_mm512_cvtne2ps_pbh(z, a));
         }
     }
+    if (job->kept) {
+        tile_kept *kt = job->kept + h * job->tiles_per_head + m0 / ROWS;
+        memcpy(kt->q, st.q, sizeof kt->q);
+        memcpy(kt->pos, st.pos, sizeof kt->pos);
+        for (int m = 0; m < ROWS; m++) {
+            kt->ref[m] = st.row_max[m];
+            kt->inv_sum[m] = 1.0f / st.row_sum[m];
+        }
+        kt->valid = valid;
+    }
+}
+
+/* Key-mass pass, one step of STEP keys: every kept tile's probabilities over these keys (scores again,
+ * against the tile's final max and sum), summed over its rows into key_mass. Steps own disjoint keys, so
+ * threads never add to the same entry. */
+static void mass_item(void *jobp, long step) {
+    job_t *job = (job_t *)jobp;
+    tile_state st __attribute__((aligned(64)));
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const long key0 = step * STEP;
+    const int num_sub = sub_blocks(job->num_keys, key0);
+    const float c = job->scale * 1.4426950408889634f;
+    __m512 acc[STEP / 16];
+    for (int j = 0; j < 2 * num_sub; j++) acc[j] = _mm512_setzero_ps();
+    for (int h = 0; h < job->num_kv_heads; h++) {
+        const uint32_t *kp = job->kp + (long)h * job->num_blocks * 2 * PAIRS * 16;
+        for (long t = 0; t < job->tiles_per_head; t++) {
+            const tile_kept *kt = job->kept + h * job->tiles_per_head + t;
+            if (kt->pos[kt->valid - 1] < key0) continue; /* every row of the tile precedes these keys */
+            memcpy(st.q, kt->q, sizeof st.q);
+            scores(&st, kp, key0 / KB, num_sub, st.s);
+            for (int m = 0; m < kt->valid; m++) {
+                const __m512 cv = _mm512_set1_ps(c), rv = _mm512_set1_ps(kt->ref[m]), inv = _mm512_set1_ps(kt->inv_sum[m]);
+                const __m512i p = _mm512_set1_epi32(kt->pos[m]);
+                for (int j = 0; j < 2 * num_sub; j++) {
+                    __mmask16 ok = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32((int)(key0 + 16 * j))), p);
+                    __m512 e = exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(st.s + m * STEP + 16 * j), cv, rv));
+                    acc[j] = _mm512_mask3_fmadd_ps(e, inv, acc[j], ok);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < 2 * num_sub; j++) {
+        long k = key0 + 16 * j, left = job->num_keys - k;
+        __mmask16 in = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1); /* the last block's tail */
+        _mm512_mask_storeu_ps(job->key_mass + k, in, _mm512_add_ps(_mm512_maskz_loadu_ps(in, job->key_mass + k), acc[j]));
+    }
 }
 
 static void prepare_item(void *job, long item) {
@@ -474,12 +531,14 @@ long kvb_rows_attention_scratch_bytes(long num_keys, int num_kv_heads) {
 
 /* Returns 0; -1 for arguments this kernel does not handle (the caller falls back). scratch: at least
  * kvb_rows_attention_scratch_bytes(num_keys, num_kv_heads), 64-byte aligned, reused across calls so its
- * pages are not faulted in again every layer. */
-int kvb_rows_attention(const bf16 *q, long q_row_stride, const bf16 *k, long k_head_stride, const bf16 *v,
-                       long v_head_stride, bf16 *k_rot, long k_rot_head_stride, const float *cos_t,
-                       const float *sin_t, const int64_t *pos, long num_rows, long num_keys, int num_kv_heads,
-                       int rep, int head_dim, float scale, bf16 *out, long out_row_stride, void *scratch,
-                       long scratch_bytes, int num_threads) {
+ * pages are not faulted in again every layer. key_mass: NULL, or [num_keys] fp32 to which each key's
+ * attention probability, summed over every row and query head, is added (lookahead's ranking: a second
+ * pass over the scores, against each row's final softmax max and sum). */
+int kvb_rows_attention_mass(const bf16 *q, long q_row_stride, const bf16 *k, long k_head_stride, const bf16 *v,
+                            long v_head_stride, bf16 *k_rot, long k_rot_head_stride, const float *cos_t,
+                            const float *sin_t, const int64_t *pos, long num_rows, long num_keys, int num_kv_heads,
+                            int rep, int head_dim, float scale, bf16 *out, long out_row_stride, void *scratch,
+                            long scratch_bytes, int num_threads, float *key_mass) {
     if (!rows_args_ok(head_dim, HEAD_DIM, num_rows, rep, num_kv_heads, num_threads, cos_t, sin_t, pos, num_keys,
                       scratch, 64, scratch_bytes, kvb_rows_attention_scratch_bytes(num_keys, num_kv_heads)))
         return -1;
@@ -488,12 +547,30 @@ int kvb_rows_attention(const bf16 *q, long q_row_stride, const bf16 *k, long k_h
                  .cos_t = cos_t, .sin_t = sin_t, .pos = pos, .num_rows = num_rows, .num_keys = num_keys,
                  .num_kv_heads = num_kv_heads, .rep = rep, .scale = scale, .out = out,
                  .out_row_stride = out_row_stride,
-                 .num_threads = num_threads > MAX_THREADS ? MAX_THREADS : num_threads};
+                 .num_threads = num_threads > MAX_THREADS ? MAX_THREADS : num_threads, .key_mass = key_mass};
     job.num_blocks = (num_keys + KB - 1) / KB;
     job.tiles_per_head = (num_rows * rep + ROWS - 1) / ROWS;
     job.kp = (uint32_t *)scratch;
     job.vp = (bf16 *)((char *)scratch + kvb_rows_attention_scratch_bytes(num_keys, num_kv_heads) / 2);
+    if (key_mass && num_rows > 0) {
+        job.kept = aligned_alloc(64, sizeof(tile_kept) * num_kv_heads * job.tiles_per_head);
+        if (!job.kept) return -1;
+    }
     run_parallel(&job, prepare_item, (long)num_kv_heads * job.num_blocks, job.num_threads, NULL, NULL);
     run_parallel(&job, attend_item, job.tiles_per_head * num_kv_heads, job.num_threads, THREAD_BEGIN, THREAD_END);
+    if (job.kept) {
+        run_parallel(&job, mass_item, (num_keys + STEP - 1) / STEP, job.num_threads, THREAD_BEGIN, THREAD_END);
+        free(job.kept);
+    }
     return 0;
+}
+
+int kvb_rows_attention(const bf16 *q, long q_row_stride, const bf16 *k, long k_head_stride, const bf16 *v,
+                       long v_head_stride, bf16 *k_rot, long k_rot_head_stride, const float *cos_t,
+                       const float *sin_t, const int64_t *pos, long num_rows, long num_keys, int num_kv_heads,
+                       int rep, int head_dim, float scale, bf16 *out, long out_row_stride, void *scratch,
+                       long scratch_bytes, int num_threads) {
+    return kvb_rows_attention_mass(q, q_row_stride, k, k_head_stride, v, v_head_stride, k_rot, k_rot_head_stride,
+                                   cos_t, sin_t, pos, num_rows, num_keys, num_kv_heads, rep, head_dim, scale, out,
+                                   out_row_stride, scratch, scratch_bytes, num_threads, NULL);
 }

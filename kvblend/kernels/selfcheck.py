@@ -18,6 +18,9 @@ import torch.nn.functional as F
 
 # Output tolerance per kernel dtype for unit-scale inputs (bf16 probabilities before P V: ~1e-2).
 OUTPUT_ATOL = {torch.bfloat16: 5e-2, torch.float32: 1e-3}
+# key_mass against a reference fed the same bf16-rounded rotated queries: only exp2's polynomial (relative
+# error < 5e-5) and the order of fp32 sums differ, so |mass - ref| <= KEY_MASS_RTOL * max(ref, 1).
+KEY_MASS_RTOL = 1e-3
 
 
 def rope_half_tables(num_positions: int, head_dim: int = 64, base: float = 10000.0):
@@ -56,6 +59,32 @@ def check(kernel, num_keys: int = 300, num_rows: int = 37, num_kv_heads: int = 2
     if not diff <= OUTPUT_ATOL[kernel.dtype]:  # also catches NaN
         raise AssertionError(f"output differs from the fp32 reference by {diff} (tolerance "
                              f"{OUTPUT_ATOL[kernel.dtype]})")
+    if kernel.has_key_mass:
+        check_key_mass(kernel, q, k, v, positions, (cos, sin), reference_key_mass(q_rot, k_rot, mask, 1 / math.sqrt(d)))
+    return diff
+
+
+def reference_key_mass(q_rot: torch.Tensor, k_rot: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 [T]: softmax probabilities summed over rows and query heads. q_rot [Hq, A, d] (rounded to bf16 as the
+    kernel rounds its rotated queries), k_rot [Hkv, T, d], mask [A, T] bool (True = may attend)."""
+    rep = q_rot.shape[0] // k_rot.shape[0]
+    scores = q_rot.to(torch.bfloat16).float() @ k_rot.repeat_interleave(rep, 0).transpose(1, 2) * scale
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).sum(dim=(0, 1))
+
+
+def check_key_mass(kernel, q, k, v, positions, rope_half, ref: torch.Tensor) -> float:
+    """Max abs difference of the kernel's key_mass (added twice, from zero) from ``ref``; raises if above
+    tolerance. The output rows are rewritten by the call."""
+    num_keys, d = k.shape[1], k.shape[2]
+    out = torch.empty(q.shape[0], q.shape[1] * d, dtype=kernel.dtype)
+    scratch = torch.empty(kernel.scratch_bytes(num_keys, k.shape[0]), dtype=torch.uint8)
+    mass = torch.zeros(num_keys, dtype=torch.float32)
+    for _ in range(2):  # it adds: two calls give twice the mass
+        kernel(q, k, v, None, rope_half, positions, 1 / math.sqrt(d), out, scratch, 2, key_mass=mass)
+    diff = (mass / 2 - ref).abs().max().item()
+    if not diff <= KEY_MASS_RTOL * max(1.0, ref.abs().max().item()):  # also catches NaN
+        raise AssertionError(f"key_mass differs from the fp32 reference by {diff} (tolerance {KEY_MASS_RTOL} "
+                             f"relative)")
     return diff
 
 
