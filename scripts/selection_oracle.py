@@ -11,6 +11,9 @@ the prefix is exact. Variants:
   lookahead      the engine's: query attention summed over a reuse pass, rows recomputed from layer 0
   lookahead:N    the same over the reuse pass's first N layers only (BlendConfig.lookahead_layers)
   random         uniform random chunk rows, recomputed from layer 0 (the floor)
+  starts         the first rows of every chunk, as many from each (EPIC's static choice, arXiv 2410.15332),
+                 recomputed from layer 0
+  startsN+lookahead[:M]  the first N rows of every chunk, the rest of the budget by lookahead's ranking
   oracle-attn    query attention summed over the layers of *full* prefill (what lookahead estimates)
   oracle-dev     K+V deviation of the stored rows from full prefill's, summed over layers (each layer
                  scaled by its mean), recomputed from layer 0: the rows whose stored KV is most wrong
@@ -39,7 +42,7 @@ from kvblend.config import EngineConfig, ModelConfig, parse_selection  # noqa: E
 from kvblend.engine.engine import create_engine  # noqa: E402
 from kvblend.store.memory import MemoryStore  # noqa: E402
 
-VARIANTS = ("deviation", "attn", "lookahead", "random", "oracle-attn", "oracle-dev")
+VARIANTS = ("deviation", "attn", "lookahead", "random", "starts", "oracle-attn", "oracle-dev")
 
 
 class Prompt:
@@ -105,6 +108,17 @@ def _is_lookahead_depth(variant: str) -> bool:
         return False
 
 
+def _is_starts_plus_lookahead(variant: str) -> bool:
+    count, _, selection = variant.removeprefix("starts").partition("+")
+    return variant.startswith("starts") and count.isdigit() and (selection == "lookahead" or
+                                                                   _is_lookahead_depth(selection))
+
+
+def _chunk_starts(p: Prompt, count: int) -> torch.Tensor:
+    """The first ``count`` rows of every chunk (fewer where a chunk is shorter), in prompt order."""
+    return torch.cat([torch.arange(start, min(end, start + count)) for start, end in p.chunk_spans])
+
+
 def variant_logits(p: Prompt, variant: str, num_keep: int, rng: torch.Generator) -> torch.Tensor:
     rows = p.chunk_rows
     if variant == "deviation":
@@ -114,6 +128,15 @@ def variant_logits(p: Prompt, variant: str, num_keep: int, rng: torch.Generator)
                        prefix_len=p.prefix_len)
     if variant == "random":
         return p.blend(rows[torch.randperm(rows.numel(), generator=rng)[:num_keep]])
+    if variant == "starts":
+        per_chunk = -(-num_keep // len(p.chunk_spans))
+        return p.blend(_chunk_starts(p, per_chunk)[:num_keep])
+    if variant.startswith("starts"):  # startsN+lookahead[:M]
+        count, selection = variant.removeprefix("starts").split("+")
+        depth = min(parse_selection(selection)[1] or p.ops.num_layers, p.ops.num_layers)
+        score = p.query_attention(exact=False, num_layers=depth).clone()
+        score[torch.isin(rows, _chunk_starts(p, int(count)))] = float("inf")  # always kept
+        return p.blend(rows[select_top_tokens(score, num_keep)])
     if variant.startswith("lookahead:"):
         depth = min(parse_selection(variant)[1] or p.ops.num_layers, p.ops.num_layers)
         return p.blend(rows[select_top_tokens(p.query_attention(exact=False, num_layers=depth), num_keep)])
@@ -130,11 +153,12 @@ def main() -> int:
     ap.add_argument("--examples", type=int, default=10)
     ap.add_argument("--ratios", default="0.15")
     ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"comma-separated, from {', '.join(VARIANTS)} and lookahead:N (default: all but lookahead:N)")
+                    help=f"comma-separated, from {', '.join(VARIANTS)}, lookahead:N and startsN+lookahead[:M] "
+                         "(default: the fixed list)")
     ap.add_argument("--out", default=None, help="JSON of per-example results")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
-    unknown = {v for v in variants if v not in VARIANTS and not _is_lookahead_depth(v)}
+    unknown = {v for v in variants if v not in VARIANTS and not _is_lookahead_depth(v) and not _is_starts_plus_lookahead(v)}
     if unknown:
         raise SystemExit(f"selection_oracle: unknown variant(s) {', '.join(sorted(unknown))}")
     ratios = [float(r) for r in args.ratios.split(",")]

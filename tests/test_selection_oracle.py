@@ -25,7 +25,7 @@ def test_every_variant_at_ratio_one_equals_full_and_stored_kv_deviates_only_in_c
         p = oracle.Prompt(engine, segs)
         num_all = num_to_keep(1.0, p.chunk_rows.numel())
         gen = torch.Generator().manual_seed(0)
-        for variant in (*oracle.VARIANTS, "lookahead:2"):
+        for variant in (*oracle.VARIANTS, "lookahead:2", "starts4+lookahead:2"):
             logits = oracle.variant_logits(p, variant, num_all, gen)
             assert (logits - p.full_logits).abs().max() < 1e-3, variant
         # layer 0 is context-free: stored chunk KV equals full prefill's there, and differs from layer 1 on

@@ -15,6 +15,8 @@
  *      A row's O and sum are rescaled only when its running max grows by more than 2^RESCALE_LOG2; in
  *      between, probabilities are taken against the older, smaller max (still exact: they stay
  *      below 2^RESCALE_LOG2, far inside fp32 and bf16 range).
+ *   3. only with key_mass (kvb_rows_attention_mass): the attention each key receives, summed over rows
+ *      and heads (lookahead's ranking), from the tiles' kept queries and final softmax terms.
  *
  * Built with -DKVB_NO_AMX, the same file is the avx512bf16 kernel for CPUs with AVX512-BF16 but no AMX
  * (AMD Zen 4): the same packed layouts, with S = Q K^T and O += P V on vdpbf16ps registers instead of
