@@ -130,18 +130,16 @@ static inline void rotate_row(const bf16 *src, const float *c, const float *s, b
 }
 
 /* 2^x for finite x (scores are finite; x far below -126 gives 0 under FTZ, as probabilities that small
- * should): n = x rounded to an integer by the 1.5 * 2^23 shift (two adds, where roundscale is two uops on
- * one port), then a degree-3 minimax polynomial for 2^f on [-0.5, 0.5] (relative error < 7.5e-5, far
- * below bf16's 2^-9, the rounding P gets before P V), then scalef. */
+ * should): f = x - floor(x) in [0, 1) in one vreduceps, a degree-3 minimax polynomial for 2^f (relative
+ * error < 7.5e-5, far below bf16's 2^-9, the rounding P gets before P V), then scalef, which multiplies by
+ * 2^floor(x) itself. Six uops a vector, the softmax's main cost. */
 static inline __m512 exp2_ps(__m512 x) {
-    const __m512 shift = _mm512_set1_ps(12582912.0f);
-    __m512 n = _mm512_sub_ps(_mm512_add_ps(x, shift), shift);
-    __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(5.51716685e-2f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.42611155e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93260968e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.99928057e-1f));
-    return _mm512_scalef_ps(p, n);
+    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_set1_ps(7.802452147e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.260671705e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.958335042e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999251962e-1f));
+    return _mm512_scalef_ps(p, x);
 }
 
 /* Keys [32b, 32b + 32) of head h: rotate into k_rot, pack K (dword transpose per 16 keys) and V
