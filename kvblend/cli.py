@@ -11,7 +11,7 @@ import logging
 import sys
 
 from kvblend.cli_registry import add_command_parsers
-from kvblend.config import apply_openmp_defaults
+from kvblend.config import apply_malloc_defaults, apply_openmp_defaults
 
 # (command, module, help). The module defines `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: list[tuple[str, str, str]] = [
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     apply_openmp_defaults()  # before any command imports torch
+    apply_malloc_defaults()  # before the model's first allocations
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

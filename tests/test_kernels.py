@@ -402,3 +402,21 @@ def test_openmp_spin_default_leaves_the_users_choice(monkeypatch):
     monkeypatch.delenv("GOMP_SPINCOUNT")
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     assert not apply_openmp_defaults() and "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_malloc_default_leaves_the_users_choice(monkeypatch):
+    """The CLI sets glibc's mmap and trim thresholds (a prefill's freed blocks stay in the heap instead of
+    being faulted in again every layer), unless the user set glibc's own variables."""
+    import platform
+
+    from kvblend.config import apply_malloc_defaults
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    assert not apply_malloc_defaults()
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert not apply_malloc_defaults()
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    assert apply_malloc_defaults()
