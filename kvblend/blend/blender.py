@@ -284,9 +284,11 @@ class TorchAttention:
         self._blocks: list[RowBlock] = []
 
     def __call__(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 active: torch.Tensor, num_out_rows: int = 0, key_mass: None = None) -> torch.Tensor:
+                 active: torch.Tensor, num_out_rows: int = 0, key_mass: torch.Tensor | None = None) -> torch.Tensor:
         """As ``KernelAttention``, but returns [A, Hq * d] whatever ``num_out_rows`` (callers pad), and
-        records no key mass."""
+        records no key mass (``records_key_mass`` is False: a caller passing it would lose the ranking)."""
+        if key_mass is not None:
+            raise ValueError("TorchAttention does not record key mass; QueryAttentionRecorder.add does")
         ops, cos, sin = self.ops, self.cos, self.sin
         # Keys of every row at their absolute positions; stored rows are re-positioned here.
         apply_rope(k_pre, cos, sin, out=k_cache, halved=self.halved)
