@@ -191,13 +191,9 @@ class RowsAttention:
             raise ValueError(f"x must be [M, {weight.num_in}] with dense rows, got {tuple(x.shape)}")
         if out is None:
             out = torch.empty(x.shape[0], weight.num_out, dtype=x.dtype)
-        self._check_rows(out, "out", weight.num_out)
-        if out.shape[0] != x.shape[0]:
-            raise ValueError(f"out has {out.shape[0]} rows, x {x.shape[0]}")
+        self._check_rows(out, "out", weight.num_out, x.shape[0])
         if residual is not None:
-            self._check_rows(residual, "residual", weight.num_out)
-            if residual.shape[0] != x.shape[0]:
-                raise ValueError(f"residual has {residual.shape[0]} rows, x {x.shape[0]}")
+            self._check_rows(residual, "residual", weight.num_out, x.shape[0])
         bias = weight.bias
         rc = self.lib.kvb_linear(x.data_ptr(), x.stride(0), x.shape[0], weight.num_in, weight.packed.data_ptr(),
                                  weight.num_out, None if bias is None else bias.data_ptr(),
@@ -225,9 +221,7 @@ class RowsAttention:
         out = torch.empty(rows, dim, dtype=x.dtype)
         total = None
         if delta is not None:
-            self._check_rows(delta, "delta", dim)
-            if delta.shape[0] != rows:
-                raise ValueError(f"delta has {delta.shape[0]} rows, x {rows}")
+            self._check_rows(delta, "delta", dim, rows)
             total = torch.empty(rows, dim, dtype=x.dtype)
         rc = self.lib.kvb_rms_norm(x.data_ptr(), x.stride(0), None if delta is None else delta.data_ptr(),
                                    0 if delta is None else delta.stride(0), None if total is None else total.data_ptr(),
@@ -261,11 +255,15 @@ class RowsAttention:
         if rc != 0:
             raise ValueError(f"scatter_rows: a row is outside [0, {num_dst})")
 
-    def _check_rows(self, t: torch.Tensor, name: str, width: int) -> None:
+    def _check_rows(self, t: torch.Tensor, name: str, width: int, num_rows: int | None = None) -> None:
+        """t must be [rows, width] of the kernel's dtype on the CPU with dense rows; with ``num_rows``, as
+        many rows as x (the call's input)."""
         if t.dtype != self.dtype or t.device.type != "cpu" or t.dim() != 2 or t.shape[1] != width or \
                 t.stride(1) != 1 or (t.shape[0] > 1 and t.stride(0) < width):
             raise ValueError(f"{name} must be a {dtype_name(self.dtype)} CPU tensor [rows, {width}] with dense rows, "
                              f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
+        if num_rows is not None and t.shape[0] != num_rows:
+            raise ValueError(f"{name} has {t.shape[0]} rows, x {num_rows}")
 
     def _check_tensor(self, t: torch.Tensor, name: str) -> None:
         if t.dtype != self.dtype or t.device.type != "cpu":
