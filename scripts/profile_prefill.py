@@ -2,6 +2,13 @@
 
     .venv/bin/python scripts/profile_prefill.py [--model DIR|GGUF] [--device cuda] [--dtype bfloat16]
         [--modes full,reuse,blend@0.15,blend@0.15/lookahead] [--example 0] [--repeats 5] [--rows 15] [--variants gqa,expand] [--shapes]
+        [--parts]
+
+--parts times the parts of each mode's requests by wrapping the engine's calls (median TTFT of the same
+requests, and per part the mean over them): loading stored KV (what the request waited for), norms + Q/K/V
+projections, the attention calls (the native kernel's key preparation included), o_proj + MLP, row scatters,
+the last row's logits, and the rest (planning, selection, Python). The native kernels run outside
+torch.profiler, which sees only PyTorch's ops.
 
 --random-weights DIR builds a random-weight model from DIR's config.json and tokenizer files (timing does not
 depend on the weights, so a machine without the real weights can still be profiled). --variants compares
@@ -13,17 +20,27 @@ Every request recomputes (no chained blended-prefix entries), so repeats measure
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvblend.config import apply_malloc_defaults, apply_openmp_defaults  # noqa: E402
+
+# the `kvblend` CLI's process settings, so that timings here are the bench's: before torch loads OpenMP
+apply_openmp_defaults()
+apply_malloc_defaults()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kvblend.blend.blender import KernelAttention, TorchAttention  # noqa: E402
 from kvblend.bench.data import DEFAULT_MUSIQUE, load_musique  # noqa: E402
 from kvblend.bench.engine_bench import bench_segments  # noqa: E402
 from kvblend.client.stream import ModeSpec, parse_mode_spec  # noqa: E402
@@ -67,6 +84,59 @@ def time_mode(engine, segs, spec: ModeSpec, repeats: int) -> list[float]:
     return [engine.run(one_token_request(segs, spec)).stats.ttft_ms for _ in range(repeats)]
 
 
+# (label, object, method) of the calls --parts times; "attention" is the blender's attention call
+PARTS = (("q/k/v", TransformerOps, "qkv"), ("attention", KernelAttention, "__call__"),
+         ("attention", TorchAttention, "__call__"), ("o_proj + MLP", TransformerOps, "finish_layer"),
+         ("row scatter", TransformerOps, "write_rows"), ("logits", TransformerOps, "logits"))
+
+
+@contextlib.contextmanager
+def timed_parts(device: str):
+    """Seconds spent in each PARTS label while inside, summed over calls (nested calls count once)."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    depth = [0]
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+
+    def wrap(label, fn):
+        def timed(*args, **kwargs):
+            if depth[0]:
+                return fn(*args, **kwargs)
+            depth[0] += 1
+            sync()
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sync()
+                totals[label] += time.perf_counter() - start
+                depth[0] -= 1
+        return timed
+
+    originals = [(owner, name, getattr(owner, name)) for _, owner, name in PARTS]
+    for (label, owner, name), (_, _, fn) in zip(PARTS, originals):
+        setattr(owner, name, wrap(label, fn))
+    try:
+        yield totals
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+
+
+def parts_table(engine, segs, spec: ModeSpec, device: str, repeats: int) -> str:
+    """Markdown rows: where ``spec``'s requests spend their time, in ms a request (means over ``repeats``)."""
+    time_mode(engine, segs, spec, 0)  # warm-up
+    with timed_parts(device) as totals:
+        stats = [engine.run(one_token_request(segs, spec)).stats for _ in range(repeats)]
+    ttft = statistics.mean(s.ttft_ms for s in stats)
+    parts = {"stored KV load (waited)": statistics.mean(s.load_ms for s in stats)}
+    parts.update({label: seconds * 1e3 / repeats for label, seconds in totals.items()})
+    parts["rest (planning, selection, Python)"] = ttft - sum(parts.values())
+    lines = [f"\n{spec.label}: mean TTFT {ttft:.1f} ms (median {statistics.median(s.ttft_ms for s in stats):.1f})",
+             "| part | ms a request | share |", "|---|---:|---:|"]
+    lines += [f"| {label} | {ms:.1f} | {ms / ttft:.0%} |" for label, ms in parts.items()]
+    return "\n".join(lines)
+
+
 def profile_mode(engine, segs, spec: ModeSpec, device: str, rows: int, shapes: bool = False) -> str:
     """One request under torch.profiler; ``shapes``: one table row per op and input shapes."""
     from torch.profiler import ProfilerActivity, profile
@@ -91,6 +161,7 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=15, help="profiler table rows (0: no table)")
     p.add_argument("--variants", default="gqa", help="comma-separated: gqa, expand")
     p.add_argument("--shapes", action="store_true", help="profiler rows per op and input shapes")
+    p.add_argument("--parts", action="store_true", help="a table per mode of the time in each part of a request")
     args = p.parse_args()
     cfg = ModelConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
     if args.random_weights:
@@ -109,6 +180,9 @@ def main() -> int:
             ttft = time_mode(engine, segs, spec, args.repeats)
             print(f"[{variant}] {spec.label}: median TTFT {statistics.median(ttft):.1f} ms (min {min(ttft):.1f}, "
                   f"n={len(ttft)})", flush=True)
+        if args.parts:
+            for spec in specs:
+                print(parts_table(engine, segs, spec, args.device, args.repeats), flush=True)
         if args.rows:
             for spec in specs:
                 print(f"\n--- [{variant}] {spec.label} ---\n{profile_mode(engine, segs, spec, args.device, args.rows, args.shapes)}",

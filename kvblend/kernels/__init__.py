@@ -282,6 +282,17 @@ class PackedLinear:
     num_in: int
     bias: torch.Tensor | None  # [N] fp32
 
+    def columns(self, start: int, end: int) -> "PackedLinear":
+        """Output columns [start, end) (multiples of 32) as a weight of their own, a view: the packing is
+        column block by column block (a fused q/k/v weight's parts)."""
+        if not (0 <= start < end <= self.num_out) or start % 32 or end % 32:
+            raise ValueError(f"columns [{start}, {end}) must be multiples of 32 within [0, {self.num_out}]")
+        if (start, end) == (0, self.num_out):
+            return self
+        per_column = self.num_in  # packed elements per output column
+        return PackedLinear(self.packed[start * per_column:end * per_column], end - start, self.num_in,
+                            None if self.bias is None else self.bias[start:end])
+
 
 _lock = threading.Lock()
 _loaded: dict[tuple[Path, str], RowsAttention | KernelUnavailable] = {}

@@ -46,7 +46,7 @@ class TransformerOps:
         # kvblend.kernels.RowsAttention (native attention with RoPE fused: AMX bf16 / AVX2 fp32) or None.
         self.rows_attention = rows_attention
         self._rope_half: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope_half_tables
-        # (layer, "o" | "down") -> the kernel's packed weight, or None where it does not take the shape
+        # (layer, "qkv" | "o" | "down") -> the kernel's packed weight, or None where it does not take the shape
         self._packed: dict[tuple[int, str], object] = {}
 
     def rope_half_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -93,8 +93,12 @@ class TransformerOps:
         first, last = "qkv".index(parts[0]), "qkv".index(parts[-1]) + 1
         bounds = [0, self.qkv_split[0], self.qkv_split[0] + self.qkv_split[1], sum(self.qkv_split)]
         weight, bias = self.qkv_proj[layer_idx]
-        rows = slice(bounds[first], bounds[last])
-        out = F.linear(x, weight[rows], None if bias is None else bias[rows])  # [A, sum of the parts' widths]
+        packed = self._packed_weight(layer_idx, "qkv", weight, bias, x)
+        if packed is not None and bounds[first] % 32 == 0 and bounds[last] % 32 == 0:  # [A, sum of the parts' widths]
+            out = self.rows_attention.linear(x, packed.columns(bounds[first], bounds[last]), torch.get_num_threads())
+        else:
+            rows = slice(bounds[first], bounds[last])
+            out = F.linear(x, weight[rows], None if bias is None else bias[rows])
         tensors = out.split(self.qkv_split[first:last], dim=-1)
         tensors = {p: t.view(n, -1, self.head_dim) for p, t in zip(parts, tensors)}
         if self.has_qk_norm:
@@ -199,7 +203,9 @@ class TransformerOps:
         if not self.fused_mlp:
             return torch.add(residual, layer.mlp(x), out=out)
         weight, bias = self.gate_up_proj[layer_idx]
-        gate_up = F.linear(x, weight, bias)  # [S, 2 * intermediate]
+        packed = self._packed_weight(layer_idx, "gate_up", weight, bias, x) if x.shape[0] <= GATE_UP_NATIVE_MAX_ROWS else None
+        # [S, 2 * intermediate]
+        gate_up = F.linear(x, weight, bias) if packed is None else self.rows_attention.linear(x, packed, torch.get_num_threads())
         if self._native_elementwise(gate_up) and gate_up.shape[1] % 32 == 0:
             act = self.rows_attention.silu_mul(gate_up, torch.get_num_threads())
         else:
@@ -243,21 +249,28 @@ class TransformerOps:
         recomputes (NATIVE_LINEAR_MAX_ROWS), where oneDNN's two-thread split is poor, with the residual add
         in its epilogue. ``out``: where the result goes, else a new tensor. Its packed weight is made at
         first use (an extra copy of o_proj and down_proj: ~73 MB for SmolLM2-135M)."""
-        kernel = self.rows_attention
-        packed = None
-        if kernel is not None and kernel.has_linear and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS and \
-                x.dtype == kernel.dtype and x.device.type == "cpu" and x.stride(-1) == 1 and \
-                all(t is None or t.stride(-1) == 1 for t in (residual, out)):
-            key = (layer_idx, name)
-            if key not in self._packed:
-                self._packed[key] = kernel.pack_linear(module.weight, module.bias)
-            packed = self._packed[key]
+        packed = self._packed_weight(layer_idx, name, module.weight, module.bias, x, residual, out)
         if packed is not None:
-            return kernel.linear(x, packed, torch.get_num_threads(), residual, out)
+            return self.rows_attention.linear(x, packed, torch.get_num_threads(), residual, out)
         y = module(x)
         if residual is not None:
             return torch.add(residual, y, out=out)
         return y if out is None else out.copy_(y)
+
+    def _packed_weight(self, layer_idx: int, name: str, weight: torch.Tensor, bias: torch.Tensor | None,
+                       x: torch.Tensor, *more: torch.Tensor | None):
+        """The native projection's packed ``weight`` for rows x [S, in] (and the call's other row tensors
+        ``more``), packed at first use; None where the call goes to PyTorch: no AMX build, more rows than
+        NATIVE_LINEAR_MAX_ROWS, another dtype or device, rows that are not dense, a shape it does not take."""
+        kernel = self.rows_attention
+        if kernel is None or not kernel.has_linear or x.shape[0] > NATIVE_LINEAR_MAX_ROWS or \
+                x.dtype != kernel.dtype or x.device.type != "cpu" or x.stride(-1) != 1 or \
+                any(t is not None and t.stride(-1) != 1 for t in more):
+            return None
+        key = (layer_idx, name)
+        if key not in self._packed:
+            self._packed[key] = kernel.pack_linear(weight, bias)
+        return self._packed[key]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[S, D] -> float32 logits [S, vocab]."""
@@ -270,6 +283,7 @@ class TransformerOps:
 # 1.26 / 2.82). qkv and gate_up stay on oneDNN at every size (960 rows: 0.56 / 1.61 ms against the kernel's
 # 0.67 / 1.92).
 NATIVE_LINEAR_MAX_ROWS = 2048
+GATE_UP_NATIVE_MAX_ROWS = 512
 
 # Most rows one MLP call takes on the CPU, by dtype. Measured on a 2-core Sapphire Rapids (SmolLM2 shapes,
 # D 576 -> 2 x 1536): bf16 gate/up cost 1.35 us/row at 5,120 rows and 3.44 at 6,256 (its [S, 3072] output
