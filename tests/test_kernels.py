@@ -21,6 +21,7 @@ from kvblend.engine.engine import create_engine
 from kvblend.engine.request import GenerationRequest, SamplingParams
 from kvblend.kernels import KERNEL_SPECS, KERNELS_BY_NAME, KernelUnavailable, dtype_name, load_rows_attention
 from kvblend.kernels.selfcheck import check_key_mass, reference_key_mass
+from kvblend.models.transformer import TransformerOps
 from kvblend.kernels.selfcheck import rope_half_tables as _rope_half, rotate as _rotate
 
 # output atol, rotated-key (atol, rtol) per kernel dtype
@@ -207,6 +208,57 @@ def test_linear_refuses_shapes_it_does_not_take(kernel):
     packed = kernel.pack_linear(torch.zeros(64, 64, dtype=kernel.dtype))
     with pytest.raises(ValueError, match=r"\[M, 64\]"):
         kernel.linear(torch.zeros(3, 32, dtype=kernel.dtype), packed, 1)
+
+
+@pytest.mark.parametrize("num_keys", [1, 100, 256, 257, 3000])
+@pytest.mark.parametrize("num_kv_heads,rep", [(3, 3), (2, 7), (1, 1)])
+def test_decode_attention_matches_fp32_reference(kernel, num_keys, num_kv_heads, rep):
+    """One decoding row over a cache's rotated keys, read in place (heads strided by the cache's capacity):
+    within the bf16 output tolerance of fp32 attention. Key counts cover one key, a chunk's edge (256 keys a
+    chunk) and many chunks; GQA factors SmolLM2's 3, Qwen2.5-0.5B's 7 and none."""
+    if not kernel.has_decode:
+        pytest.skip(f"the {kernel.name} build has no decode kernel")
+    gen = torch.Generator().manual_seed(num_keys * 10 + rep)
+    cache_k = torch.randn(num_kv_heads, num_keys + 40, 64, generator=gen).to(kernel.dtype)
+    cache_v = torch.randn(num_kv_heads, num_keys + 40, 64, generator=gen).to(kernel.dtype)
+    q = torch.randn(num_kv_heads * rep, 3, 64, generator=gen).mul(2).to(kernel.dtype)[:, 2]  # [Hq, d], strided
+    k, v = cache_k[:, :num_keys], cache_v[:, :num_keys]
+    ref = F.scaled_dot_product_attention(q.double()[None, :, None], k.double()[None], v.double()[None],
+                                         enable_gqa=True)[0].reshape(1, -1).float()
+    for num_threads in (1, 2):
+        out = kernel.decode_attention(q, k, v, 1 / 8, num_threads)
+        assert out.shape == (1, num_kv_heads * rep * 64)
+        assert (out.float() - ref).abs().max().item() <= TOLERANCES[kernel.dtype][0]
+
+
+def test_decode_attention_refuses_what_it_does_not_take(kernel):
+    if not kernel.has_decode:
+        pytest.skip(f"the {kernel.name} build has no decode kernel")
+    k = torch.zeros(2, 10, 64, dtype=kernel.dtype)
+    with pytest.raises(ValueError, match="rejected"):  # 17 query heads a KV head: more than it keeps
+        kernel.decode_attention(torch.zeros(34, 64, dtype=kernel.dtype), k, k, 0.125, 1)
+    with pytest.raises(ValueError, match=r"k, v \[Hkv, n, d\] alike"):
+        kernel.decode_attention(torch.zeros(4, 64, dtype=kernel.dtype), k, k[:, :9], 0.125, 1)
+    with pytest.raises(ValueError, match="CPU tensor"):
+        kernel.decode_attention(torch.zeros(4, 64), k, k, 0.125, 1)
+
+
+def test_engine_decoding_with_kernel_matches_sdpa(kernel, monkeypatch):
+    """Greedy decoding over a ~2.5k-token prompt's cache (10 key chunks) with the native decode kernel gives
+    the tokens PyTorch's SDPA gives (the prefill is the same in both runs)."""
+    if not kernel.has_decode:
+        pytest.skip(f"the {kernel.name} build has no decode kernel")
+    engine = embedded_engine(dtype_name(kernel.dtype), attention_kernel=kernel.name)
+    docs, question = musique_docs(0, 4)
+    segs = engine.segments(docs, question, instruction="Answer from the passages.\n\n")
+    request = lambda: GenerationRequest(segs, SamplingParams(max_tokens=12, ignore_eos=True), mode="full")
+    native = engine.run(request())
+    sdpa = TransformerOps.decode_attend
+    monkeypatch.setattr(TransformerOps, "decode_attend",
+                        lambda self, q, k, v: self.attend(q[:, None], k, v, mask=None, causal=False))
+    reference = engine.run(request())
+    monkeypatch.setattr(TransformerOps, "decode_attend", sdpa)
+    assert native.token_ids == reference.token_ids and len(native.token_ids) == 12
 
 
 def _hf_rms_norm(dim: int, gen: torch.Generator, dtype: torch.dtype):

@@ -489,8 +489,7 @@ class Engine:
                 n = lengths[b]
                 s.cache.k[layer, :, n] = k[:, b]
                 s.cache.v[layer, :, n] = v[:, b]
-                outs.append(ops.attend(q[:, b:b + 1], s.cache.k[layer, :, :n + 1], s.cache.v[layer, :, :n + 1],
-                                       mask=None, causal=False))
+                outs.append(ops.decode_attend(q[:, b], s.cache.k[layer, :, :n + 1], s.cache.v[layer, :, :n + 1]))
             h = ops.finish_layer(layer, h, torch.cat(outs))
         for s in batch:
             s.cache.length += 1

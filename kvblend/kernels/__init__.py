@@ -206,6 +206,32 @@ class RowsAttention:
         return out
 
     @property
+    def has_decode(self) -> bool:
+        """Whether this build attends one decoding row over rotated keys in place (``decode_attention``):
+        both bf16 builds do (decode_attention.h)."""
+        return hasattr(self.lib, "kvb_decode_attention")
+
+    def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         num_threads: int) -> torch.Tensor:
+        """One query row over keys [0, n): q [Hq, d] rotated (heads may be strided, each dense), k, v
+        [Hkv, n, d] with k rotated (dense rows; heads may be strided) -> [1, Hq * d]."""
+        num_heads, d = q.shape
+        num_kv_heads, num_keys, _ = k.shape
+        for t, name in ((q, "q"), (k, "k"), (v, "v")):
+            self._check_tensor(t, name, dense_rows=name != "q")
+        if q.stride(-1) != 1 or v.shape != k.shape or k.shape[2] != d or num_heads % num_kv_heads:
+            raise ValueError(f"decode_attention needs q [Hq, d] with dense rows and k, v [Hkv, n, d] alike "
+                             f"(Hq a multiple of Hkv); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        out = torch.empty(1, num_heads * d, dtype=q.dtype)
+        rc = self.lib.kvb_decode_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                                           v.stride(0), num_keys, num_kv_heads, num_heads // num_kv_heads, d, scale,
+                                           out.data_ptr(), max(1, num_threads))
+        if rc != 0:
+            raise ValueError(f"decode_attention rejected keys={num_keys}, heads={num_heads}/{num_kv_heads}, "
+                             f"head_dim={d} (rc={rc})")
+        return out
+
+    @property
     def has_elementwise(self) -> bool:
         """Whether this build has the row-wise ops (``rms_norm``, ``silu_mul``, ``scatter_rows``): both bf16
         builds do."""
@@ -265,11 +291,11 @@ class RowsAttention:
         if num_rows is not None and t.shape[0] != num_rows:
             raise ValueError(f"{name} has {t.shape[0]} rows, x {num_rows}")
 
-    def _check_tensor(self, t: torch.Tensor, name: str) -> None:
+    def _check_tensor(self, t: torch.Tensor, name: str, dense_rows: bool = True) -> None:
         if t.dtype != self.dtype or t.device.type != "cpu":
             raise ValueError(f"{name} must be a {dtype_name(self.dtype)} CPU tensor "
                              f"(the {self.name} kernel), got {t.dtype} on {t.device}")
-        if name != "out" and (t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]):
+        if name != "out" and dense_rows and (t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]):
             raise ValueError(f"{name} needs contiguous [*, rows, head_dim] rows, got strides {t.stride()}")
 
 
@@ -421,6 +447,9 @@ def _declare(lib: ctypes.CDLL, init_symbol: str | None) -> None:
         lib.kvb_silu_mul.argtypes = [P, L, P, L, L, L, I]
         lib.kvb_scatter_rows.restype = I
         lib.kvb_scatter_rows.argtypes = [P, L, L, P, L, I, L, P, L, L]
+    if hasattr(lib, "kvb_decode_attention"):  # the bf16 builds' decoding step (decode_attention.h)
+        lib.kvb_decode_attention.restype = I
+        lib.kvb_decode_attention.argtypes = [P, L, P, L, P, L, L, I, I, I, ctypes.c_float, P, I]
     if hasattr(lib, "kvb_linear"):  # the AMX build's projections (amx_linear.h)
         lib.kvb_linear_pack.restype = I
         lib.kvb_linear_pack.argtypes = [P, L, L, P]

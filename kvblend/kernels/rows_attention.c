@@ -142,6 +142,8 @@ static inline __m512 exp2_ps(__m512 x) {
     return _mm512_scalef_ps(p, x);
 }
 
+#include "decode_attention.h" /* one query row per sequence while decoding: both bf16 builds */
+
 /* Keys [32b, 32b + 32) of head h: rotate into k_rot, pack K (dword transpose per 16 keys) and V
  * (pairs of keys interleaved). Keys past num_keys pack as zeros. */
 static void prepare_block(job_t *job, int h, long b) {

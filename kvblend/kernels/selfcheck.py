@@ -3,8 +3,8 @@
 A miscompiled native kernel does not raise, it kills the process (gcc 12 once dropped the AMX tile
 config's stores at -O3 and every prefill died with SIGSEGV) or returns wrong numbers. So the loader runs
 ``python -m kvblend.kernels.selfcheck <lib.so> <kernel name>`` once per build: exit 0 means the library
-attended scattered rows (GQA, RoPE, a partial last tile, 2 threads) like an fp32 PyTorch reference, and
-(the AMX build) projected rows like fp32 math rounded to bf16.
+attended scattered rows (GQA, RoPE, a partial last tile, 2 threads) and (the bf16 builds) a decoding row like an
+fp32 PyTorch reference, and (the AMX build) projected rows like fp32 math rounded to bf16.
 """
 
 from __future__ import annotations
@@ -107,6 +107,28 @@ def check_linear(kernel, num_rows: int = 45, num_out: int = 96, num_in: int = 64
     return diff
 
 
+def check_decode(kernel, num_keys: int = 600, num_kv_heads: int = 2, rep: int = 3) -> float:
+    """Max abs difference of ``kernel.decode_attention`` (builds that have it) from fp32 attention of one row
+    over every key: three key chunks, the last partial, heads strided as in a cache. Raises if above the
+    output tolerance."""
+    if not kernel.has_decode:
+        return 0.0
+    gen = torch.Generator().manual_seed(2)
+    d = 64
+    cache_k = torch.randn(num_kv_heads, num_keys + 9, d, generator=gen).to(kernel.dtype)  # [Hkv, capacity, d]
+    cache_v = torch.randn(num_kv_heads, num_keys + 9, d, generator=gen).to(kernel.dtype)
+    q = torch.randn(num_kv_heads * rep, 2, d, generator=gen).to(kernel.dtype)[:, 1]  # [Hq, d], heads strided
+    k, v = cache_k[:, :num_keys], cache_v[:, :num_keys]
+    out = kernel.decode_attention(q, k, v, 1 / math.sqrt(d), 2)
+    ref = F.scaled_dot_product_attention(q.float()[None, :, None], k.float()[None], v.float()[None],
+                                         enable_gqa=True)[0].reshape(1, -1)
+    diff = (out.float() - ref).abs().max().item()
+    if not diff <= OUTPUT_ATOL[kernel.dtype]:  # also catches NaN
+        raise AssertionError(f"decode output differs from the fp32 reference by {diff} (tolerance "
+                             f"{OUTPUT_ATOL[kernel.dtype]})")
+    return diff
+
+
 # Exit status for "the kernel ran and gave wrong numbers"; any other failure (an import error, say) says
 # nothing about the build, so the loader does not record it against the build.
 EXIT_MISMATCH = 3
@@ -120,6 +142,7 @@ def main(argv: list[str]) -> int:
     try:
         check(kernel)
         check_linear(kernel)
+        check_decode(kernel)
     except AssertionError as e:
         print(e, file=sys.stderr)
         return EXIT_MISMATCH

@@ -121,6 +121,17 @@ class TransformerOps:
                                                  scale=self.scaling, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
+    def decode_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One decoding row: q [Hq, d] over every key of k, v [Hkv, n, d] (q and k rotated) -> [1, Hq * d].
+        The native kernel reads the cache in place where it takes the tensors (a bf16 build, head_dim 64,
+        dense rows), else SDPA."""
+        kernel = self.rows_attention
+        if kernel is not None and kernel.has_decode and q.dtype == kernel.dtype and q.device.type == "cpu" and \
+                self.head_dim == 64 and q.stride(-1) == 1 and k.stride(-1) == 1 and k.stride(-2) == 64 and \
+                v.stride(-1) == 1 and v.stride(-2) == 64:
+            return kernel.decode_attention(q, k, v, self.scaling, torch.get_num_threads())
+        return self.attend(q[:, None], k, v, mask=None, causal=False)
+
     @property
     def group_size(self) -> int:
         """Query heads per KV head (GQA)."""
