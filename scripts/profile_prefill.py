@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/profile_prefill.py [--model DIR|GGUF] [--device cuda] [--dtype bfloat16]
         [--modes full,reuse,blend@0.15,blend@0.15/lookahead] [--example 0] [--repeats 5] [--rows 15] [--variants gqa,expand] [--shapes]
-        [--parts]
+        [--parts] [--decode-tokens 32]
 
 --parts times the parts of each mode's requests by wrapping the engine's calls (median TTFT of the same
 requests, and per part the mean over them): loading stored KV (what the request waited for), norms + Q/K/V
@@ -76,6 +76,20 @@ def one_token_request(segs, spec: ModeSpec) -> GenerationRequest:
     selection, depth = parse_selection(spec.selection) if spec.selection else (None, None)  # "lookahead:8"
     return GenerationRequest(segs, SamplingParams(max_tokens=1), mode=spec.mode, recompute_ratio=spec.ratio,
                              selection=selection, lookahead_layers=depth)
+
+
+def decode_ms_per_token(engine, segs, spec: ModeSpec, num_tokens: int, repeats: int) -> float:
+    """Median time a decoded token takes after ``spec``'s prefill (the first token excluded)."""
+    selection, depth = parse_selection(spec.selection) if spec.selection else (None, None)
+    per_token = []
+    for i in range(repeats + 1):  # the first run warms up
+        request = GenerationRequest(segs, SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True), mode=spec.mode,
+                                    recompute_ratio=spec.ratio, selection=selection, lookahead_layers=depth)
+        start = time.perf_counter()
+        stats = engine.run(request).stats
+        if i:
+            per_token.append(((time.perf_counter() - start) * 1e3 - stats.ttft_ms) / num_tokens)
+    return statistics.median(per_token)
 
 
 def time_mode(engine, segs, spec: ModeSpec, repeats: int) -> list[float]:
@@ -162,6 +176,8 @@ def main() -> int:
     p.add_argument("--variants", default="gqa", help="comma-separated: gqa, expand")
     p.add_argument("--shapes", action="store_true", help="profiler rows per op and input shapes")
     p.add_argument("--parts", action="store_true", help="a table per mode of the time in each part of a request")
+    p.add_argument("--decode-tokens", type=int, default=0, metavar="N",
+                   help="also decode N tokens after each mode's first (EOS ignored): median ms a token")
     args = p.parse_args()
     cfg = ModelConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
     if args.random_weights:
@@ -180,6 +196,9 @@ def main() -> int:
             ttft = time_mode(engine, segs, spec, args.repeats)
             print(f"[{variant}] {spec.label}: median TTFT {statistics.median(ttft):.1f} ms (min {min(ttft):.1f}, "
                   f"n={len(ttft)})", flush=True)
+            if args.decode_tokens > 0:
+                ms = decode_ms_per_token(engine, segs, spec, args.decode_tokens, args.repeats)
+                print(f"[{variant}] {spec.label}: decoding {ms:.2f} ms a token ({args.decode_tokens} tokens)", flush=True)
         if args.parts:
             for spec in specs:
                 print(parts_table(engine, segs, spec, args.device, args.repeats), flush=True)

@@ -127,8 +127,7 @@ class TransformerOps:
         dense rows), else SDPA."""
         kernel = self.rows_attention
         if kernel is not None and kernel.has_decode and q.dtype == kernel.dtype and q.device.type == "cpu" and \
-                self.head_dim == 64 and q.stride(-1) == 1 and k.stride(-1) == 1 and k.stride(-2) == 64 and \
-                v.stride(-1) == 1 and v.stride(-2) == 64:
+                self.head_dim == 64 and q.stride(-1) == 1 and all(t.stride(-1) == 1 and t.stride(-2) == 64 for t in (k, v)):
             return kernel.decode_attention(q, k, v, self.scaling, torch.get_num_threads())
         return self.attend(q[:, None], k, v, mask=None, causal=False)
 

@@ -1,0 +1,36 @@
+"""scripts/profile_prefill.py --parts / --decode-tokens: the parts of a request add up to its TTFT, each timed
+part is the engine's own call (restored afterwards), and decoding is timed per token."""
+
+import importlib.util
+from pathlib import Path
+
+from engine_fixtures import INSTRUCTION, embedded_engine, musique_docs
+from kvblend.blend.blender import KernelAttention, TorchAttention
+from kvblend.client.stream import parse_mode_spec
+from kvblend.models.transformer import TransformerOps
+from kvblend.store.memory import MemoryStore
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_prefill.py"
+spec = importlib.util.spec_from_file_location("profile_prefill", SCRIPT)
+profile = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(profile)
+
+
+def test_parts_add_up_to_the_ttft_and_the_wrapped_calls_are_restored(monkeypatch):
+    engine = embedded_engine("float32")
+    monkeypatch.setattr(engine, "store", MemoryStore())  # the shared engine's store stays as other tests left it
+    docs, question = musique_docs(2, num_docs=3)
+    segs = engine.segments(docs, question, instruction=INSTRUCTION)
+    engine.precompute(segs.chunk_ids)
+    originals = [getattr(owner, name) for _, owner, name in profile.PARTS]
+    for mode in ("full", "blend@0.15"):
+        table = profile.parts_table(engine, segs, parse_mode_spec(mode), "cpu", 2)
+        rows = {line.split(" | ")[0].lstrip("| "): float(line.split(" | ")[1])
+                for line in table.splitlines() if line.startswith("| ") and not line.startswith("| part")}
+        ttft = float(table.split("mean TTFT ")[1].split(" ms")[0])
+        assert abs(sum(rows.values()) - ttft) < 0.2, table  # "rest" is what the timed parts leave
+        assert rows["attention"] > 0 and rows["o_proj + MLP"] > 0 and rows["q/k/v"] > 0, table
+        assert rows["rest (planning, selection, Python)"] >= 0, table
+    assert [getattr(owner, name) for _, owner, name in profile.PARTS] == originals
+    assert {owner for _, owner, _ in profile.PARTS} == {TransformerOps, KernelAttention, TorchAttention}
+    assert profile.decode_ms_per_token(engine, segs, parse_mode_spec("reuse"), 3, 1) > 0
