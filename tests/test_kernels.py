@@ -201,6 +201,25 @@ def test_linear_matches_fp32_math_rounded_once(kernel, num_rows):
     assert kernel.linear(x, kernel.pack_linear(w, bias), 2, residual, into) is into and torch.equal(into, summed)
 
 
+def test_packed_columns_project_like_the_weight_rows_they_cover(kernel):
+    """A fused q/k/v weight packed once: each part's columns (a view) project as that part's own weight."""
+    if not kernel.has_linear:
+        pytest.skip(f"the {kernel.name} build has no linear kernel")
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(160, 64, generator=gen).div(8).to(kernel.dtype)
+    bias = torch.randn(160, generator=gen).to(kernel.dtype)
+    x = torch.randn(37, 64, generator=gen).to(kernel.dtype)
+    packed = kernel.pack_linear(w, bias)
+    assert packed.columns(0, 160) is packed
+    for start, end in ((0, 96), (96, 128), (128, 160), (32, 160)):
+        part = packed.columns(start, end)
+        assert part.num_out == end - start and part.packed.data_ptr() > 0
+        assert torch.equal(kernel.linear(x, part, 2), kernel.linear(x, kernel.pack_linear(w[start:end], bias[start:end]), 2))
+    for start, end in ((0, 40), (16, 64), (96, 96), (0, 192)):
+        with pytest.raises(ValueError, match="multiples of 32"):
+            packed.columns(start, end)
+
+
 def test_linear_refuses_shapes_it_does_not_take(kernel):
     if not kernel.has_linear:
         pytest.skip(f"the {kernel.name} build has no linear kernel")
