@@ -4,8 +4,8 @@
         [--modes full,reuse,blend@0.15,blend@0.15/lookahead] [--example 0] [--repeats 5] [--rows 15] [--variants gqa,expand] [--shapes]
         [--parts] [--decode-tokens 32]
 
---parts times the parts of each mode's requests by wrapping the engine's calls (median TTFT of the same
-requests, and per part the mean over them): loading stored KV (what the request waited for), norms + Q/K/V
+--parts times the parts of each mode's requests by wrapping the engine's calls (means over --repeats
+requests, so the parts add up to the mean TTFT): loading stored KV (what the request waited for), norms + Q/K/V
 projections, the attention calls (the native kernel's key preparation included), o_proj + MLP, row scatters,
 the last row's logits, and the rest (planning, selection, Python). The native kernels run outside
 torch.profiler, which sees only PyTorch's ops.
