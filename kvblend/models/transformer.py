@@ -213,9 +213,11 @@ class TransformerOps:
         if not self.fused_mlp:
             return torch.add(residual, layer.mlp(x), out=out)
         weight, bias = self.gate_up_proj[layer_idx]
-        packed = self._packed_weight(layer_idx, "gate_up", weight, bias, x) if x.shape[0] <= GATE_UP_NATIVE_MAX_ROWS else None
-        # [S, 2 * intermediate]
-        gate_up = F.linear(x, weight, bias) if packed is None else self.rows_attention.linear(x, packed, torch.get_num_threads())
+        packed = self._packed_weight(layer_idx, "gate_up", weight, bias, x)
+        if packed is None:
+            gate_up = F.linear(x, weight, bias)  # [S, 2 * intermediate]
+        else:
+            gate_up = self.rows_attention.linear(x, packed, torch.get_num_threads())
         if self._native_elementwise(gate_up) and gate_up.shape[1] % 32 == 0:
             act = self.rows_attention.silu_mul(gate_up, torch.get_num_threads())
         else:
@@ -257,8 +259,7 @@ class TransformerOps:
                  residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """module(x) (+ residual) for x [S, in]; through the native AMX projection for the row counts a blend
         recomputes (NATIVE_LINEAR_MAX_ROWS), where oneDNN's two-thread split is poor, with the residual add
-        in its epilogue. ``out``: where the result goes, else a new tensor. Its packed weight is made at
-        first use (an extra copy of o_proj and down_proj: ~73 MB for SmolLM2-135M)."""
+        in its epilogue. ``out``: where the result goes, else a new tensor."""
         packed = self._packed_weight(layer_idx, name, module.weight, module.bias, x, residual, out)
         if packed is not None:
             return self.rows_attention.linear(x, packed, torch.get_num_threads(), residual, out)
@@ -269,11 +270,12 @@ class TransformerOps:
 
     def _packed_weight(self, layer_idx: int, name: str, weight: torch.Tensor, bias: torch.Tensor | None,
                        x: torch.Tensor, *more: torch.Tensor | None):
-        """The native projection's packed ``weight`` for rows x [S, in] (and the call's other row tensors
-        ``more``), packed at first use; None where the call goes to PyTorch: no AMX build, more rows than
-        NATIVE_LINEAR_MAX_ROWS, another dtype or device, rows that are not dense, a shape it does not take."""
+        """The native projection's packed ``weight`` ("qkv", "o", "gate_up" or "down") for rows x [S, in] (and
+        the call's other row tensors ``more``), packed at first use, a copy beside the module's (SmolLM2-135M:
+        212 MB for all four); None where the call goes to PyTorch: no AMX build, more rows than
+        NATIVE_LINEAR_MAX_ROWS[name], another dtype or device, rows that are not dense, a shape it does not take."""
         kernel = self.rows_attention
-        if kernel is None or not kernel.has_linear or x.shape[0] > NATIVE_LINEAR_MAX_ROWS or \
+        if kernel is None or not kernel.has_linear or x.shape[0] > NATIVE_LINEAR_MAX_ROWS[name] or \
                 x.dtype != kernel.dtype or x.device.type != "cpu" or x.stride(-1) != 1 or \
                 any(t is not None and t.stride(-1) != 1 for t in more):
             return None
@@ -287,13 +289,16 @@ class TransformerOps:
         return self.lm_head(self._norm(self.final_norm, h)[0]).float()
 
 
-# Most rows o_proj and down_proj take through the native AMX projection (kvblend/kernels/amx_linear.h).
-# Measured on a 2-core Sapphire Rapids, bf16, SmolLM2 shapes, median of 25 calls, at 960 rows: o_proj 0.37 ms
-# against oneDNN's 0.60, down_proj 0.84 against 1.77; at 3,104 rows oneDNN wins (0.95 / 2.72 ms against
-# 1.26 / 2.82). qkv and gate_up stay on oneDNN at every size (960 rows: 0.56 / 1.61 ms against the kernel's
-# 0.67 / 1.92).
-NATIVE_LINEAR_MAX_ROWS = 2048
-GATE_UP_NATIVE_MAX_ROWS = 512
+# Most rows each projection takes through the native AMX kernel (kvblend/kernels/amx_linear.h), above which
+# oneDNN's. Measured on a 2-core Sapphire Rapids, bf16, SmolLM2 shapes. o_proj and down_proj, median of 25
+# calls, at 960 rows: 0.37 ms against oneDNN's 0.60, 0.84 against 1.77; at 3,104 rows oneDNN wins (0.95 / 2.72
+# ms against 1.26 / 2.82). q/k/v and gate/up alone are faster on oneDNN (960 rows: 0.47 / 1.14 ms against the
+# kernel's 0.60 / 1.75), but between the native norm and attention a oneDNN call first wakes PyTorch's OpenMP
+# threads: one row's norm + q/k/v took 0.36 ms against 0.07 for the matmul alone. In place, a layer's q/k/v +
+# o_proj + MLP was faster with the kernel's q/k/v up to 1,280 rows (5.49 against 5.77 ms), about even at 1,536
+# (6.33 against 6.24) and slower at 2,048 (8.01 against 7.83); o_proj + MLP with the kernel's gate/up up to 512
+# rows (2.15 against 2.21 ms; 1 row 0.32 against 0.62) and slower at 960 (3.65 against 3.27).
+NATIVE_LINEAR_MAX_ROWS = {"qkv": 1280, "o": 2048, "gate_up": 512, "down": 2048}
 
 # Most rows one MLP call takes on the CPU, by dtype. Measured on a 2-core Sapphire Rapids (SmolLM2 shapes,
 # D 576 -> 2 x 1536): bf16 gate/up cost 1.35 us/row at 5,120 rows and 3.44 at 6,256 (its [S, 3072] output
