@@ -47,6 +47,11 @@ def test_bench_engine_modes_ratios_and_json(tmp_path):
     assert rows["full"]["speedup_vs_full"] == 1.0 and rows["full"]["first_token_kl_vs_full"] == 0.0
     assert rows["reuse"]["first_token_kl_vs_full"] > rows["blend@1"]["first_token_kl_vs_full"]
     assert "| blend@0 |" in proc.stdout and f"wrote {out}" in proc.stdout
+    # decoding after the first token is timed per mode (a step that samples EOS counts, it costs a step)
+    decode = [d for r in rows.values() for d in r["per_example"]["decode_ms_per_token"] if d is not None]
+    assert decode and all(d > 0 for d in decode)
+    assert all(r["decode_ms_per_token_median"] is None or r["decode_ms_per_token_median"] > 0 for r in rows.values())
+    assert "decoding after the first token, median ms a token: full " in proc.stdout
     # the quality-vs-ratio curve: reuse at 0, blend ratios, full at 1; blend@1 reaches 90% agreement
     curve = result["quality_vs_ratio"]
     assert [(p["name"], p["ratio"]) for p in curve] == [("blend@0", 0.0), ("blend@0/query", 0.0), ("reuse", 0.0),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 
 import pytest
 
@@ -20,6 +21,7 @@ def _runs(rng: random.Random, n: int) -> list[ModeRun]:
             mr.first_token_agree.append(1.0 if mr.mode == "full" else float(rng.random() < 0.9))
             mr.kl_vs_full.append(0.0 if mr.mode == "full" else rng.uniform(0, 0.5))
             mr.rouge_vs_full.append(1.0 if mr.mode == "full" else rng.uniform(0.4, 1.0))
+            mr.decode_ms.append(rng.choice([None, rng.uniform(30, 40)]))  # None: the answer was one token
             mr.answers.append(f"answer {len(mr.answers)}")
     return runs
 
@@ -35,7 +37,7 @@ def _slice(runs: list[ModeRun], start: int, end: int) -> list[ModeRun]:
     out = []
     for mr in runs:
         part = ModeRun(mr.name, mr.mode, mr.ratio)
-        for name in ("ttft_ms", "f1", "first_token_agree", "kl_vs_full", "rouge_vs_full", "answers"):
+        for name in ("ttft_ms", "f1", "first_token_agree", "kl_vs_full", "rouge_vs_full", "decode_ms", "answers"):
             setattr(part, name, getattr(mr, name)[start:end])
         out.append(part)
     return out
@@ -55,7 +57,8 @@ def test_pooled_halves_equal_the_whole(tmp_path):
     # the files keep rounded per-example values (TTFT to 0.01 ms, F1 / Rouge-L to 1e-4, KL to 1e-5): the
     # pooled summaries match the whole run's to that rounding
     tolerance = {"ttft_median_ms": 0.01, "speedup_vs_full": 2e-3, "speedup_paired_median": 2e-3, "f1": 2e-4,
-                 "first_token_agreement": 0, "first_token_kl_vs_full": 2e-4, "rouge_l_vs_full": 2e-4}
+                 "first_token_agreement": 0, "first_token_kl_vs_full": 2e-4, "rouge_l_vs_full": 2e-4,
+                 "decode_ms_per_token_median": 0.01}
     for row, ref in zip(pooled["modes"], expected):
         assert row["n"] == ref["n"] and row["per_example"] == ref["per_example"]
         for key, tol in tolerance.items():
@@ -68,12 +71,17 @@ def test_a_file_without_per_example_rouge_pools_its_weighted_mean(tmp_path):
     del old["offset"]  # written before --offset existed: it covers the examples from 0
     for row in old["modes"]:
         del row["per_example"]["rouge_l_vs_full"]
+        del row["per_example"]["decode_ms_per_token"]  # and before decode timing
     (tmp_path / "old.json").write_text(json.dumps(old))
     (tmp_path / "new.json").write_text(json.dumps(_result(_slice(whole, 2, 6), 2)))
     pooled = pool_results([str(tmp_path / "new.json"), str(tmp_path / "old.json")])
     for row, ref in zip(pooled["modes"], whole):
         first, rest = sum(ref.rouge_vs_full[:2]) / 2, sum(ref.rouge_vs_full[2:])
         assert row["rouge_l_vs_full"] == pytest.approx((2 * round(first, 4) + rest) / 6, abs=2e-4)
+        # the old file's examples have no decode timing: the median is over the new file's
+        assert row["per_example"]["decode_ms_per_token"][:2] == [None, None]
+        timed = [round(d, 2) for d in ref.decode_ms[2:] if d is not None]
+        assert row["decode_ms_per_token_median"] == (pytest.approx(statistics.median(timed), abs=0.01) if timed else None)
 
 
 @pytest.mark.parametrize("change, message", [

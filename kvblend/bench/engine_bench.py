@@ -33,6 +33,8 @@ class ModeRun:
     first_token_agree: list[float] = field(default_factory=list)
     rouge_vs_full: list[float] = field(default_factory=list)
     kl_vs_full: list[float] = field(default_factory=list)  # KL(full || mode) of the first-token distribution
+    # ms a token after the first (TPOT), None where the answer stopped at one token
+    decode_ms: list[float | None] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
 
     def summary(self, full: "ModeRun") -> dict:
@@ -41,6 +43,7 @@ class ModeRun:
         # Per example, full and this mode ran seconds apart: the median of those ratios is robust to a
         # shared machine's speed drifting over the run, which moves both medians.
         paired = [f / t for f, t in zip(full.ttft_ms, self.ttft_ms) if t > 0]
+        decoded = [d for d in self.decode_ms if d is not None]
         return {
             "name": self.name, "mode": self.mode, "ratio": self.ratio, "selection": self.selection,
             "n": len(self.ttft_ms),
@@ -51,11 +54,13 @@ class ModeRun:
             "first_token_agreement": round(statistics.fmean(self.first_token_agree), 4) if self.first_token_agree else None,
             "rouge_l_vs_full": round(statistics.fmean(self.rouge_vs_full), 4) if self.rouge_vs_full else None,
             "first_token_kl_vs_full": round(statistics.fmean(self.kl_vs_full), 4) if self.kl_vs_full else None,
+            "decode_ms_per_token_median": round(statistics.median(decoded), 2) if decoded else None,
             # one entry per example, in run order: paired comparisons and spreads, not only the means
             "per_example": {"ttft_ms": [round(t, 2) for t in self.ttft_ms], "f1": [round(f, 4) for f in self.f1],
                             "first_token_agree": self.first_token_agree,
                             "first_token_kl_vs_full": [round(k, 5) for k in self.kl_vs_full],
                             "rouge_l_vs_full": [round(r, 4) for r in self.rouge_vs_full],
+                            "decode_ms_per_token": [None if d is None else round(d, 2) for d in self.decode_ms],
                             "answers": self.answers},
         }
 
@@ -70,6 +75,7 @@ class ModeRun:
         # Files written before per-example Rouge-L kept only the mean: n copies of it pool to the same
         # weighted mean (no median or spread of Rouge-L is reported).
         self.rouge_vs_full += pe.get("rouge_l_vs_full") or [row["rouge_l_vs_full"]] * n
+        self.decode_ms += pe["decode_ms_per_token"] if "decode_ms_per_token" in pe else [None] * n  # older files
         self.answers += pe["answers"]
 
 
@@ -172,8 +178,11 @@ def run(args) -> int:
         full_result = None
         for mr in runs:
             selection, depth = parse_selection(mr.selection) if mr.selection else (None, None)
+            start = time.perf_counter()
             res = engine.run(GenerationRequest(segs, sampling, mode=mr.mode, recompute_ratio=mr.ratio,
                                                selection=selection, lookahead_layers=depth))
+            wall_ms = (time.perf_counter() - start) * 1e3
+            mr.decode_ms.append(_decode_ms_per_step(res, wall_ms))
             if mr.mode == "full":
                 full_result = res
             answer = clean_answer(res.text)
@@ -314,6 +323,13 @@ def bench_segments(engine, passages: list[str], question: str):
     return engine.segments(passages, f"Question: {question}\n{ANSWER_SUFFIX}", instruction=DEFAULT_INSTRUCTION + "\n\n")
 
 
+def _decode_ms_per_step(res, wall_ms: float) -> float | None:
+    """ms a decoding step took after the first token (TPOT), or None if none ran. With no stop strings (the
+    bench sets none) a "stop" finish means a step sampled EOS, which costs a step but adds no token."""
+    num_steps = len(res.token_ids) - 1 + (res.finish_reason == "stop")
+    return (wall_ms - res.stats.ttft_ms) / num_steps if num_steps > 0 else None
+
+
 def render_table(result: dict) -> str:
     where = result.get("device_name") or result.get("device", "cpu")
     lines = [f"### bench engine: {result['model']} ({result['dtype']}, {result.get('attention_kernel', 'torch')} "
@@ -326,6 +342,10 @@ def render_table(result: dict) -> str:
                      f"{f'{paired:.2f}x' if paired else '-'} | {r['f1']:.3f} | "
                      f"{r['first_token_agreement']:.0%} | {_num(r.get('first_token_kl_vs_full'))} | "
                      f"{r['rouge_l_vs_full']:.3f} |")
+    decode = [(r["name"], r.get("decode_ms_per_token_median")) for r in result["modes"]]
+    if any(ms is not None for _, ms in decode):
+        lines += ["", "decoding after the first token, median ms a token: "
+                  + ", ".join(f"{name} {ms:.1f}" for name, ms in decode if ms is not None)]
     by_selection = result.get("smallest_ratio_agreement_90_by_selection") or {}
     if len(by_selection) == 1:
         (smallest,) = by_selection.values()
