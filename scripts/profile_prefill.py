@@ -71,22 +71,21 @@ def expanded_attend(self, q, k, v, mask, causal=True):
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
 
-def one_token_request(segs, spec: ModeSpec) -> GenerationRequest:
-    """``spec`` as `eval` names modes (blend@0.15/lookahead); a bare blend takes the engine's ratio."""
+def mode_request(segs, spec: ModeSpec, sampling: SamplingParams | None = None) -> GenerationRequest:
+    """``spec`` as `eval` names modes (blend@0.15/lookahead); a bare blend takes the engine's ratio. One token
+    unless ``sampling`` says otherwise."""
     selection, depth = parse_selection(spec.selection) if spec.selection else (None, None)  # "lookahead:8"
-    return GenerationRequest(segs, SamplingParams(max_tokens=1), mode=spec.mode, recompute_ratio=spec.ratio,
-                             selection=selection, lookahead_layers=depth)
+    return GenerationRequest(segs, sampling or SamplingParams(max_tokens=1), mode=spec.mode,
+                             recompute_ratio=spec.ratio, selection=selection, lookahead_layers=depth)
 
 
 def decode_ms_per_token(engine, segs, spec: ModeSpec, num_tokens: int, repeats: int) -> float:
     """Median time a decoded token takes after ``spec``'s prefill (the first token excluded)."""
-    selection, depth = parse_selection(spec.selection) if spec.selection else (None, None)
+    sampling = SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True)
     per_token = []
     for i in range(repeats + 1):  # the first run warms up
-        request = GenerationRequest(segs, SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True), mode=spec.mode,
-                                    recompute_ratio=spec.ratio, selection=selection, lookahead_layers=depth)
         start = time.perf_counter()
-        stats = engine.run(request).stats
+        stats = engine.run(mode_request(segs, spec, sampling)).stats
         if i:
             per_token.append(((time.perf_counter() - start) * 1e3 - stats.ttft_ms) / num_tokens)
     return statistics.median(per_token)
@@ -94,8 +93,8 @@ def decode_ms_per_token(engine, segs, spec: ModeSpec, num_tokens: int, repeats: 
 
 def time_mode(engine, segs, spec: ModeSpec, repeats: int) -> list[float]:
     for _ in range(2):  # warm-up: kernels chosen, buffers pooled
-        engine.run(one_token_request(segs, spec))
-    return [engine.run(one_token_request(segs, spec)).stats.ttft_ms for _ in range(repeats)]
+        engine.run(mode_request(segs, spec))
+    return [engine.run(mode_request(segs, spec)).stats.ttft_ms for _ in range(repeats)]
 
 
 # (label, object, method) of the calls --parts times; "attention" is the blender's attention call
@@ -140,7 +139,7 @@ def parts_table(engine, segs, spec: ModeSpec, device: str, repeats: int) -> str:
     """Markdown rows: where ``spec``'s requests spend their time, in ms a request (means over ``repeats``)."""
     time_mode(engine, segs, spec, 0)  # warm-up
     with timed_parts(device) as totals:
-        stats = [engine.run(one_token_request(segs, spec)).stats for _ in range(repeats)]
+        stats = [engine.run(mode_request(segs, spec)).stats for _ in range(repeats)]
     ttft = statistics.mean(s.ttft_ms for s in stats)
     parts = {"stored KV load (waited)": statistics.mean(s.load_ms for s in stats)}
     parts.update({label: seconds * 1e3 / repeats for label, seconds in totals.items()})
@@ -157,7 +156,7 @@ def profile_mode(engine, segs, spec: ModeSpec, device: str, rows: int, shapes: b
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
     with profile(activities=activities, record_shapes=shapes) as prof:
-        engine.run(one_token_request(segs, spec))
+        engine.run(mode_request(segs, spec))
     key = "self_cuda_time_total" if device != "cpu" else "self_cpu_time_total"
     return prof.key_averages(group_by_input_shape=shapes).table(sort_by=key, row_limit=rows)
 

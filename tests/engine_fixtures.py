@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from functools import lru_cache
@@ -14,7 +15,16 @@ from kvblend.config import BlendConfig, EngineConfig, ModelConfig
 from kvblend.engine.engine import Engine, create_engine
 
 MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 INSTRUCTION = "Answer the question from the passages. Answer within 5 words.\n\n"
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (the scripts are not a package), so tests call its functions."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # Gates parametrized over this run on the CPU everywhere and on CUDA where a GPU is present (CI has none;

@@ -1,19 +1,13 @@
 """scripts/profile_prefill.py --parts / --decode-tokens: the parts of a request add up to its TTFT, each timed
 part is the engine's own call (restored afterwards), and decoding is timed per token."""
 
-import importlib.util
-from pathlib import Path
-
-from engine_fixtures import INSTRUCTION, embedded_engine, musique_docs
+from engine_fixtures import INSTRUCTION, embedded_engine, load_script, musique_docs
 from kvblend.blend.blender import KernelAttention, TorchAttention
 from kvblend.client.stream import parse_mode_spec
 from kvblend.models.transformer import TransformerOps
 from kvblend.store.memory import MemoryStore
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_prefill.py"
-spec = importlib.util.spec_from_file_location("profile_prefill", SCRIPT)
-profile = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(profile)
+profile = load_script("profile_prefill")
 
 
 def test_parts_add_up_to_the_ttft_and_the_wrapped_calls_are_restored(monkeypatch):

@@ -1,19 +1,13 @@
 """scripts/selection_oracle.py: its variants run the engine's real layer loop, so at ratio 1 every one of
 them must give full prefill's logits (fp32), and its reference KV must be full prefill's."""
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
-from engine_fixtures import INSTRUCTION, embedded_engine, musique_docs
+from engine_fixtures import INSTRUCTION, embedded_engine, load_script, musique_docs
 from kvblend.blend.selection import num_to_keep
 from kvblend.store.memory import MemoryStore
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "selection_oracle.py"
-spec = importlib.util.spec_from_file_location("selection_oracle", SCRIPT)
-oracle = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(oracle)
+oracle = load_script("selection_oracle")
 
 
 def test_every_variant_at_ratio_one_equals_full_and_stored_kv_deviates_only_in_chunks(monkeypatch):

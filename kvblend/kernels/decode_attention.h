@@ -1,6 +1,6 @@
 /* One decoding step's attention: a single query row per sequence over its cached keys, which are already
  * rotated (the prefill wrote them so), bf16 on AVX512-BF16. Included by rows_attention.c (both bf16 builds)
- * after exp2_ps.
+ * after exp2_ps and first_lanes.
  *
  * Why not the rows kernel: it packs every key into AMX layouts first, ~0.6 ms a layer for 6k keys, which a
  * single row never pays back. Why not PyTorch's SDPA: for one row over 6,254 keys of SmolLM2 it took ~1 ms a
@@ -49,13 +49,13 @@ static void decode_scores(const decode_job *jb, int h, long j0, long n, float *s
 static float decode_softmax(float *s, long n, float *max_out) {
     __m512 m = _mm512_set1_ps(-INFINITY);
     for (long j = 0; j < n; j += 16) {
-        const __mmask16 in = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __mmask16 in = first_lanes(n - j);
         m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), in, s + j));
     }
     const float mx = _mm512_reduce_max_ps(m);
     __m512 sum = _mm512_setzero_ps();
     for (long j = 0; j < n; j += 16) {
-        const __mmask16 in = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __mmask16 in = first_lanes(n - j);
         const __m512 p = exp2_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, s + j), _mm512_set1_ps(mx)));
         _mm512_mask_storeu_ps(s + j, in, p);
         sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(in, p));

@@ -142,6 +142,11 @@ static inline __m512 exp2_ps(__m512 x) {
     return _mm512_scalef_ps(p, x);
 }
 
+/* The first n lanes of a 16-lane vector (all for n >= 16, none for n <= 0): a row's or block's tail. */
+static inline __mmask16 first_lanes(long n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
 #include "decode_attention.h" /* one query row per sequence while decoding: both bf16 builds */
 
 /* Keys [32b, 32b + 32) of head h: rotate into k_rot, pack K (dword transpose per 16 keys) and V
@@ -499,7 +504,7 @@ static void mass_item(void *jobp, long step) {
     }
     for (int j = 0; j < 2 * num_sub; j++) {
         long k = key0 + 16 * j, left = job->num_keys - k;
-        __mmask16 in = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1); /* the last block's tail */
+        __mmask16 in = first_lanes(left); /* the last block's tail */
         _mm512_mask_storeu_ps(job->key_mass + k, in, _mm512_add_ps(_mm512_maskz_loadu_ps(in, job->key_mass + k), acc[j]));
     }
 }
