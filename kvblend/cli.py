@@ -10,7 +10,8 @@ import argparse
 import logging
 import sys
 
-from kvblend.cli_registry import add_command_parsers
+from kvblend import __version__
+from kvblend.cli_registry import DefaultsHelpFormatter, add_command_parsers
 from kvblend.config import apply_malloc_defaults, apply_openmp_defaults
 
 # (command, module, help). The module defines `add_arguments(parser)` and `run(args) -> int`.
@@ -30,7 +31,9 @@ class CLIError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvblend", description="CacheBlend KV reuse for RAG serving.")
+    parser = argparse.ArgumentParser(prog="kvblend", description="CacheBlend KV reuse for RAG serving.",
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"kvblend {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add_command_parsers(parser.add_subparsers(dest="command", metavar="COMMAND"), COMMANDS, "_run")
     return parser

@@ -6,11 +6,25 @@ import argparse
 import importlib
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends each option's default to its help, except where there is none to show (None, False) or the
+    help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "%(default)" in text or "default" in text or default in (None, False, argparse.SUPPRESS):
+            return text
+        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            text += " (default: %(default)s)"
+        return text
+
+
 def add_command_parsers(sub: argparse._SubParsersAction, commands: list[tuple[str, str, str]], run_attr: str) -> None:
     """For each (name, module, help): a sub-parser filled by ``module.add_arguments`` whose defaults carry
     ``module.run`` under ``run_attr``. A kvblend module missing from this checkout is left out."""
     for name, module, help_text in commands:
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsHelpFormatter)
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

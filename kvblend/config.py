@@ -78,6 +78,24 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
     return "bfloat16" if cpu_flags() & set(NATIVE_BF16_CPU_FLAGS) else "float32"
 
 
+def default_model() -> str:
+    """``KVBLEND_MODEL``: weights (HF dir or .gguf); "" = the embedded SmolLM2-135M-Instruct."""
+    return os.environ.get("KVBLEND_MODEL", "")
+
+
+def default_dtype() -> str:
+    """``KVBLEND_DTYPE`` (auto / bfloat16 / float32 / float16), default auto."""
+    return os.environ.get("KVBLEND_DTYPE") or "auto"
+
+
+def default_num_threads() -> int:
+    """``KVBLEND_THREADS``: torch threads for an engine; 0 leaves torch's default."""
+    text = os.environ.get("KVBLEND_THREADS") or "0"
+    if not text.isdigit():
+        raise ValueError(f"KVBLEND_THREADS must be a whole number, got {text!r}")
+    return int(text)
+
+
 def default_attention_kernel() -> str:
     """``KVBLEND_ATTENTION_KERNEL`` (auto / amx / avx512bf16 / avx2 / torch), default auto."""
     return os.environ.get("KVBLEND_ATTENTION_KERNEL") or "auto"
@@ -86,12 +104,12 @@ def default_attention_kernel() -> str:
 @dataclass
 class ModelConfig:
     # A local HF dir (safetensors), a .gguf file, or "" for the embedded SmolLM2-135M-Instruct.
-    model: str = ""
+    model: str = field(default_factory=default_model)
     # "auto": bfloat16 where it pays (CUDA, CPUs with AMX or AVX-512 BF16), else float32; resolved here,
     # so everything downstream sees a concrete dtype.
-    dtype: str = "auto"
+    dtype: str = field(default_factory=default_dtype)
     device: str = "cpu"
-    num_threads: int = 0  # 0: leave torch's default
+    num_threads: int = field(default_factory=default_num_threads)  # 0: leave torch's default
     cache_dir: Path = field(default_factory=default_cache_dir)
     attention_kernel: str = field(default_factory=default_attention_kernel)
 
@@ -125,7 +143,7 @@ class BlendConfig:
     # are recomputed from layer 0 (no check layer).
     selection: str = "deviation"
     # How many layers (from layer 0) lookahead's reuse pass runs and sums the query's attention over;
-    # 0 = every layer. Fewer layers make the pass cheaper and the ranking coarser (README: "Token
+    # 0 = every layer. Fewer layers make the pass cheaper and the ranking coarser (CHANGELOG.md: "Token
     # selection, measured"); a request may override it.
     lookahead_layers: int = 0
     # Keep a blend/reuse request's final KV per segment under chained keys, and use such entries: a
@@ -215,6 +233,16 @@ class EngineConfig:
 STORE_TIERS = ("memory", "disk", "redis")
 
 
+def default_memory_bytes() -> int:
+    """The memory tier's budget: a third of this machine's RAM, at least 2 GiB. A fixed 2 GiB filled within a
+    few eval examples, since every prefill mode keeps chained entries of its own beside the chunks."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 0
+    return max(2 << 30, total // 3)
+
+
 @dataclass
 class StoreConfig:
     """Chunk KV store: which tiers, their byte budgets, and how the remote tier degrades.
@@ -223,7 +251,7 @@ class StoreConfig:
     """
 
     tiers: tuple[str, ...] = ("memory",)
-    memory_bytes: int = 2 << 30
+    memory_bytes: int = field(default_factory=default_memory_bytes)
     disk_dir: Path | None = None  # None: default_cache_dir() / "kv"
     disk_bytes: int = 20 << 30
     disk_fsync: bool = True  # fsync file + dir before the atomic rename is visible (crash safety)
@@ -255,15 +283,9 @@ def filter_kwargs(cls, kwargs: dict) -> dict:
 
 
 def load_env_overrides() -> dict:
-    """Every environment variable kvblend honours, read in one place."""
+    """The store's environment variables (the model's are ModelConfig's defaults)."""
     env = os.environ
     out: dict = {}
-    if env.get("KVBLEND_MODEL"):
-        out["model"] = env["KVBLEND_MODEL"]
-    if env.get("KVBLEND_DTYPE"):
-        out["dtype"] = env["KVBLEND_DTYPE"]
-    if env.get("KVBLEND_THREADS"):
-        out["num_threads"] = int(env["KVBLEND_THREADS"])
     if env.get("KVBLEND_STORE_TIERS"):
         out["tiers"] = tuple(t.strip() for t in env["KVBLEND_STORE_TIERS"].split(",") if t.strip())
     if env.get("KVBLEND_STORE_DIR"):
@@ -275,8 +297,7 @@ def load_env_overrides() -> dict:
 
 # PyTorch's OpenMP threads spin this many rounds after an op before they sleep (GNU OpenMP). On 2 vCPUs,
 # sleeping at once (OMP_WAIT_POLICY=PASSIVE) made blend@0.15 5-9% and reuse ~11% slower. The default endless
-# spin starved the native kernels' threads: blend@0.15 took 792 ms against 638 with PASSIVE (README,
-# "Configuration").
+# spin starved the native kernels' threads: blend@0.15 took 792 ms against 638 with PASSIVE (docs/cpu-tuning.md).
 OPENMP_SPIN_COUNT = "10000"
 
 
@@ -293,7 +314,7 @@ def apply_openmp_defaults() -> bool:
 # tens of MB a layer, so every request faults its working memory in again: a full prefill of a 6,254-token
 # prompt (SmolLM2, bf16) took ~156,000 minor page faults, blend@0.15 ~10,700. Taking blocks under
 # MALLOC_MMAP_BYTES from the heap and keeping up to MALLOC_TRIM_BYTES of it freed: 706 and 2 faults, full
-# 2,045 -> 1,901 ms, blend@0.15 463 -> 445 (README, "Configuration"). The freed memory stays with the process.
+# 2,045 -> 1,901 ms, blend@0.15 463 -> 445 (docs/cpu-tuning.md). The freed memory stays with the process.
 MALLOC_MMAP_BYTES = 256 << 20
 MALLOC_TRIM_BYTES = 1 << 30
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
@@ -319,12 +340,31 @@ def default_config_dir() -> Path:
 
 
 # Client endpoint settings taken from the environment; they override auth.json (see kvblend/client/auth.py).
-CLIENT_ENV_VARS = {"KVBLEND_BASE_URL": "base_url", "KVBLEND_API_KEY": "api_key", "KVBLEND_MODEL_ID": "model_id"}
+CLIENT_ENV_VARS = {"KVBLEND_BASE_URL": "base_url", "KVBLEND_CLIENT_API_KEY": "api_key",
+                   "KVBLEND_MODEL_ID": "model_id"}
+# Before 0.2 one variable was both the client's key and a server key, so exporting it for `kvblend doctor`
+# switched a local server's auth on. The client still reads it (with a warning); the server no longer does.
+DEPRECATED_CLIENT_KEY_VAR = "KVBLEND_API_KEY"
 
 
 def client_env_overrides() -> dict:
-    """{auth.json key: value} for each set client variable (KVBLEND_BASE_URL, _API_KEY, _MODEL_ID)."""
-    return {key: os.environ[var] for var, key in CLIENT_ENV_VARS.items() if os.environ.get(var)}
+    """{auth.json key: value} for each set client variable (KVBLEND_BASE_URL, _CLIENT_API_KEY,
+    _MODEL_ID; the deprecated KVBLEND_API_KEY where KVBLEND_CLIENT_API_KEY is unset)."""
+    out = {key: os.environ[var] for var, key in CLIENT_ENV_VARS.items() if os.environ.get(var)}
+    if "api_key" not in out and os.environ.get(DEPRECATED_CLIENT_KEY_VAR):
+        _warn_once(f"{DEPRECATED_CLIENT_KEY_VAR} is deprecated for the client: export "
+                   "KVBLEND_CLIENT_API_KEY instead")
+        out["api_key"] = os.environ[DEPRECATED_CLIENT_KEY_VAR]
+    return out
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(f"kvblend: warning: {message}", file=sys.stderr)
 
 
 # --- server (`kvblend serve`) ------------------------------------------------------------------
@@ -344,10 +384,10 @@ class ModelEntry:
 
     id: str = ""  # "" (local only): the engine's own model_id
     kind: str = "local"
-    model: str = ""
-    dtype: str = "auto"
+    model: str = field(default_factory=default_model)
+    dtype: str = field(default_factory=default_dtype)
     device: str = "cpu"
-    num_threads: int = 0
+    num_threads: int = field(default_factory=default_num_threads)
     mode: str = "blend"
     recompute_ratio: float = 0.15
     blend: dict = field(default_factory=dict)  # extra BlendConfig fields (check_layers, deviation, ...)
@@ -412,16 +452,26 @@ class ServerConfig:
             raise ValueError(f"duplicate model ids in {ids}")
 
 
+SERVER_KEYS_VAR = "KVBLEND_SERVER_API_KEYS"
+DEPRECATED_SERVER_KEYS_VAR = "KVBLEND_API_KEYS"
+
+
 def load_server_env() -> dict:
-    """Server settings from the environment: KVBLEND_API_KEYS="key[:namespace],..." and KVBLEND_API_KEY."""
+    """Server keys from the environment: KVBLEND_SERVER_API_KEYS="key[:namespace],..." (the deprecated
+    KVBLEND_API_KEYS is still read). KVBLEND_API_KEY is the client's and never switches auth on."""
     env = os.environ
+    items = (env.get(SERVER_KEYS_VAR) or "").split(",")
+    if env.get(DEPRECATED_SERVER_KEYS_VAR):
+        _warn_once(f"{DEPRECATED_SERVER_KEYS_VAR} is deprecated: export {SERVER_KEYS_VAR} instead")
+        items += env[DEPRECATED_SERVER_KEYS_VAR].split(",")
     keys: list[ApiKey] = []
-    for item in (env.get("KVBLEND_API_KEYS") or "").split(","):
+    for item in items:
         key, _, namespace = item.strip().partition(":")
         if key:
             keys.append(ApiKey(key=key, name=f"env{len(keys)}", namespace=namespace))
-    if env.get("KVBLEND_API_KEY"):
-        keys.append(ApiKey(key=env["KVBLEND_API_KEY"], name="env"))
+    if env.get(DEPRECATED_CLIENT_KEY_VAR) and not keys:
+        _warn_once(f"{DEPRECATED_CLIENT_KEY_VAR} is a client setting and no longer turns server auth on; "
+                   f"export {SERVER_KEYS_VAR} (or pass --api-key) for that")
     return {"api_keys": keys} if keys else {}
 
 

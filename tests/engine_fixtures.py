@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvblend.bench.data import DEFAULT_MUSIQUE
 from kvblend.config import BlendConfig, EngineConfig, ModelConfig
 from kvblend.engine.engine import Engine, create_engine
 
-MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+MUSIQUE = DEFAULT_MUSIQUE
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 INSTRUCTION = "Answer the question from the passages. Answer within 5 words.\n\n"
 

@@ -250,7 +250,7 @@ STANDIN_KEY = "sk-standin-0123456789abcd"
 @pytest.fixture
 def isolated(tmp_path, monkeypatch):
     """No auth.json or KVBLEND_* variable from the developer's machine leaks into a test."""
-    for var in ("KVBLEND_BASE_URL", "KVBLEND_API_KEY", "KVBLEND_MODEL_ID"):
+    for var in ("KVBLEND_BASE_URL", "KVBLEND_API_KEY", "KVBLEND_CLIENT_API_KEY", "KVBLEND_MODEL_ID"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     monkeypatch.chdir(tmp_path)

@@ -133,7 +133,7 @@ def test_anthropic_errors(front, claude):
 def test_doctor_through_gateway(front, tmp_path):
     auth = tmp_path / "auth.json"
     auth.write_text(json.dumps({"base_url": front.base_url + "/v1", "api_key": FRONT_KEY, "model_id": REMOTE}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVBLEND_BASE_URL", "KVBLEND_API_KEY",
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVBLEND_BASE_URL", "KVBLEND_API_KEY", "KVBLEND_CLIENT",
                                                                    "KVBLEND_MODEL_ID"))}
     p = subprocess.run([sys.executable, "-m", "kvblend.cli", "doctor", "--auth", str(auth)], env=env,
                        capture_output=True, text=True, timeout=120)

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from kvblend.config import ApiKey, ModelEntry, ServerConfig
 from kvblend.server.app import create_app
 from kvblend.server.backends import LocalBackend
-from kvblend.server.settings import server_config_from_dict
+from kvblend.settings import server_config_from_dict
 from kvblend.server.upstream import UpstreamBackend
 from test_server_unit import FakeEngine
 

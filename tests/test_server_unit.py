@@ -16,7 +16,7 @@ from kvblend.server.app import create_app
 from kvblend.server.auth import Authenticator
 from kvblend.server.backends import LocalBackend
 from kvblend.server.errors import APIError
-from kvblend.server.settings import load_server_config, server_config_from_dict
+from kvblend.settings import load_server_config, server_config_from_dict
 
 
 class FakeTokenizer:

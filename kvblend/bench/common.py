@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import sys
 import time
 from datetime import datetime, timezone
@@ -76,9 +78,16 @@ def exit_code_for_errors(report: dict, section: str) -> int:
     return 1 if failed else 0
 
 
+def client_machine() -> str:
+    """The machine the client benchmark ran on (the server's, when it serves on loopback)."""
+    from kvblend.config import cpu_model_name
+
+    return f"{cpu_model_name() or platform.machine()}, {os.cpu_count()} CPUs"
+
+
 def report_header(kind: str, config: dict) -> dict:
     return {"kind": kind, "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "unix_time": time.time(), "config": config}
+            "unix_time": time.time(), "machine": client_machine(), "config": config}
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:

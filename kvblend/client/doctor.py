@@ -125,7 +125,7 @@ def check_key(endpoint: Endpoint, http, models_url: str) -> tuple[Check, object 
     key = endpoint.api_key
     if not key:
         return Check("key accepted", FAIL, "server requires a key and api_key is empty",
-                     "set api_key in auth.json (or KVBLEND_API_KEY)"), None
+                     "set api_key in auth.json (or KVBLEND_CLIENT_API_KEY)"), None
     try:
         r = http.get(models_url, headers={"Authorization": f"Bearer {key}"})
     except httpx.LocalProtocolError:

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -69,8 +69,10 @@ class ServerState:
         return backend
 
 
-def create_app(config: ServerConfig, backends: list[Backend] | None = None, store=None) -> FastAPI:
-    """Build the app. ``backends`` (tests) replaces the ones the config describes."""
+def create_app(config: ServerConfig, backends: list[Backend] | None = None, store=None,
+               on_ready: Callable[[list[Backend]], None] | None = None) -> FastAPI:
+    """Build the app. ``backends`` (tests) replaces the ones the config describes; ``on_ready`` is called
+    with the loaded backends once every model serves (the CLI prints its start-up summary there)."""
     if backends is None:
         store = build_store(config.store) if store is None else store
         backends = build_backends(config, store)
@@ -85,6 +87,8 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
             raise ValueError(f"duplicate model ids after loading: {[b.id for b in state.backends]}")
         state.ready = True
         log.info("serving models: %s", ", ".join(state.by_id))
+        if on_ready is not None:
+            on_ready(state.backends)
         try:
             yield
         finally:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
+import sys
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +43,31 @@ def _model_override(args: argparse.Namespace, base: list | None) -> list[dict] |
     return [fields]
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket before any weights load, so a busy port fails in a second, not after
+    the model is up. Port 0 picks a free one (the summary prints it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is already in use (another server?); "
+                             "choose another with --port") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
 
-    from kvblend.server.app import create_app
-    from kvblend.server.settings import load_server_config
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvblend.settings import load_server_config
 
     base = load_server_config(args.config)
     overrides = {"host": args.host, "port": args.port, "max_queue": args.max_queue, "max_batch": args.max_batch,
@@ -56,6 +79,16 @@ def run(args: argparse.Namespace) -> int:
     config = load_server_config(args.config, overrides)
     if not config.api_keys and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s with no API keys: anyone who can reach it can use it", config.host)
-    app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    sock = bind_socket(config.host, config.port)  # before the heavy imports: a busy port fails at once
+    import uvicorn
+
+    from kvblend.server.app import create_app
+    from kvblend.server.summary import startup_summary
+
+    def on_ready(backends) -> None:
+        print(startup_summary(config, backends, _url(sock)), file=sys.stderr, flush=True)
+
+    app = create_app(config, on_ready=on_ready)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
     return 0

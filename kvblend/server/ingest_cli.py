@@ -21,7 +21,7 @@ TEXT_FIELDS = ("text", "content", "contents", "document")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="JSONL: one document per line")
     p.add_argument("--url", help="a running kvblend server (e.g. http://127.0.0.1:8000); default: in-process")
-    p.add_argument("--api-key", help="bearer key for --url (default: KVBLEND_API_KEY)")
+    p.add_argument("--api-key", help="bearer key for --url (default: KVBLEND_CLIENT_API_KEY)")
     p.add_argument("--config", help="server config (in-process: model and store settings)")
     p.add_argument("--model", help="model id (default: the first configured model)")
     p.add_argument("--namespace", default="", help="tenant namespace (in-process only; --url uses the key's)")
@@ -58,9 +58,9 @@ def _batches(items: list[dict], size: int) -> Iterator[list[dict]]:
 def _remote(args, batches: Iterator[list[dict]]) -> Iterator[list[dict]]:
     import httpx
 
-    from kvblend.config import load_server_env
+    from kvblend.config import client_env_overrides
 
-    key = args.api_key or next((k.key for k in load_server_env().get("api_keys", [])), "")
+    key = args.api_key or client_env_overrides().get("api_key", "")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     with httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=600) as http:
         for batch in batches:
@@ -82,7 +82,7 @@ def _local(args, batches: Iterator[list[dict]]) -> Iterator[list[dict]]:
 
     from kvblend.engine.engine import create_engine
     from kvblend.server.backends import build_store, document_id
-    from kvblend.server.settings import load_server_config
+    from kvblend.settings import load_server_config
 
     config = load_server_config(args.config)
     entries = [m for m in config.models if m.kind == "local" and (not args.model or m.id == args.model)]

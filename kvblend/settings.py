@@ -1,6 +1,7 @@
 """Server config files (YAML or TOML, same shape) -> ``ServerConfig``.
 
-Precedence, lowest first: dataclass defaults < config file < environment (``load_server_env``) < CLI flags.
+Precedence, lowest first: dataclass defaults < config file < environment (server keys, store tiers,
+directory and Redis URL) < CLI flags.
 Unknown keys are errors, not silently ignored: a typo in a key name would otherwise serve the wrong thing.
 
     host: 127.0.0.1
@@ -23,7 +24,10 @@ from typing import Any
 
 import yaml
 
-from kvblend.config import ApiKey, ModelEntry, ServerConfig, StoreConfig, load_server_env
+from kvblend.config import (ApiKey, ModelEntry, ServerConfig, StoreConfig, load_env_overrides,
+                            load_server_env)
+
+STORE_ENV_FIELDS = ("tiers", "disk_dir", "redis_url")
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -82,6 +86,9 @@ def server_config_from_dict(data: dict[str, Any]) -> ServerConfig:
 def load_server_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServerConfig:
     """File (optional) + environment + explicit overrides (CLI flags; None values are skipped)."""
     data = read_config_file(path) if path else {}
+    store_env = {k: v for k, v in load_env_overrides().items() if k in STORE_ENV_FIELDS}
+    if store_env:  # KVBLEND_STORE_TIERS / _STORE_DIR / _REDIS_URL override the file's store section
+        data["store"] = {**(data.get("store") or {}), **store_env}
     env = load_server_env()
     if env.get("api_keys"):  # env keys add to the file's, so a deployment can inject a secret without editing it
         data["api_keys"] = list(data.get("api_keys") or []) + [dataclasses.asdict(k) for k in env["api_keys"]]
