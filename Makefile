@@ -9,11 +9,11 @@ QWEN_GGUF := $(HOME)/.cache/kvblend/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 # vCPU); spinning without end (the default) starved the native kernels' threads and other processes.
 export GOMP_SPINCOUNT ?= 10000
 
-.PHONY: demo test test-fast bench bench-peers qwen serve clean help
+.PHONY: demo lint test test-fast bench bench-peers qwen serve clean help
 
 help:
 	@echo "make demo   - set up .venv and run a short engine benchmark on the embedded model"
-	@echo "make test   - set up .venv and run the test suite"
+	@echo "make test   - set up .venv, check the import layers, run the test suite (make test-fast: no e2e)"
 	@echo "make bench  - full engine benchmark (20 MuSiQue examples); make qwen fetches the Qwen2 model"
 	@echo "make bench-peers - TTFT of kvblend vs vLLM and llama.cpp (installs them under .peers/; docs/PEERS.md)"
 
@@ -28,11 +28,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/kvblend bench engine --examples 3 --max-tokens 16 --out bench/results/engine-demo.json
 
-test: $(STAMP)
+# The layering (docs/ARCHITECTURE.md) is a contract: .importlinter fails the build on an import upwards,
+# across independent packages, or in a cycle.
+lint: $(STAMP)
+	$(BIN)/lint-imports --no-cache
+
+test: lint
 	$(BIN)/python -m pytest -q tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -m "(unit or engine) and not slow" tests
 
 bench: $(STAMP)
 	$(BIN)/kvblend bench engine --examples 20

@@ -12,7 +12,7 @@ import sys
 
 from kvblend import __version__
 from kvblend.cli_registry import DefaultsHelpFormatter, add_command_parsers
-from kvblend.config import apply_malloc_defaults, apply_openmp_defaults
+from kvblend.platform import apply_malloc_defaults, apply_openmp_defaults
 
 # (command, module, help). The module defines `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: list[tuple[str, str, str]] = [

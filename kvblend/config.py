@@ -1,18 +1,19 @@
-"""Typed configuration for every kvblend component, and the one place environment variables are read.
+"""Typed configuration for every kvblend component.
 
-Each component gets a small dataclass validated in ``__post_init__``; ``KVBlendConfig`` composes them.
-Callers build configs explicitly (tests, CLI flags) or via ``load_env_overrides`` — no module reads
-``os.environ`` anywhere else.
+Each component gets a small dataclass validated in ``__post_init__``. Defaults that the environment can
+set come from ``kvblend/env.py`` (the registry of every variable); what the machine is and how the
+process is tuned lives in ``kvblend/platform.py``.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvblend import env
+from kvblend.platform import NATIVE_BF16_CPU_FLAGS, cpu_flags
 
 PREFILL_MODES = ("full", "prefix", "reuse", "blend")
 # What a check layer compares (kvblend/blend/selection.py): the fresh vs cached values, keys or both (the
@@ -22,11 +23,6 @@ DEVIATION_KINDS = ("v", "k", "kv", "attn")
 # How a check layer picks the chunk tokens to keep recomputing (kvblend/blend/selection.py).
 SELECTION_KINDS = ("deviation", "query", "lookahead")
 DTYPES = ("auto", "bfloat16", "float32", "float16")
-# CPU features that make bf16 prefill pay: AMX tiles (the amx attention kernel) or AVX-512 BF16 (Zen 4: the
-# avx512bf16 kernel; one 6,254-token prompt, interleaved, took 8.0 s for full prefill in bf16 against 17.8 s
-# in fp32, 1.5 s for blend@0.15 against 3.3 s). Without any native bf16 oneDNN emulates it, several times
-# slower than fp32 (measured 7.6x on an AVX2-only EPYC).
-NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 # Prefill attention: "auto" uses the native kernel (kvblend/kernels) for the engine's dtype where it applies
 # (head_dim 64 on the CPU: bf16 with AMX or else AVX512-BF16, fp32 with AVX2 + FMA) and PyTorch's kernels
 # elsewhere; "amx", "avx512bf16" and "avx2" require that kernel; "torch" never uses a native one.
@@ -42,30 +38,7 @@ def validate_device(device: str) -> str:
 
 def default_cache_dir() -> Path:
     """Root for converted weights and the disk KV tier (``KVBLEND_CACHE_DIR`` overrides)."""
-    env = os.environ.get("KVBLEND_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvblend"
-
-
-def _cpuinfo_field(name: str) -> str:
-    """The first ``name`` line's value in /proc/cpuinfo ("" where it cannot be read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    line = next((l for l in text.splitlines() if l.startswith(name)), "")
-    return line.partition(":")[2].strip()
-
-
-def cpu_flags() -> set[str]:
-    """Feature flags of this CPU from /proc/cpuinfo (empty where it cannot be read)."""
-    return set(_cpuinfo_field("flags").split())
-
-
-def cpu_model_name() -> str:
-    """This CPU's model name from /proc/cpuinfo ("" where it cannot be read)."""
-    return _cpuinfo_field("model name")
+    return env.read("KVBLEND_CACHE_DIR") or (env.read("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvblend"
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
@@ -80,25 +53,22 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
 
 def default_model() -> str:
     """``KVBLEND_MODEL``: weights (HF dir or .gguf); "" = the embedded SmolLM2-135M-Instruct."""
-    return os.environ.get("KVBLEND_MODEL", "")
+    return env.read("KVBLEND_MODEL")
 
 
 def default_dtype() -> str:
     """``KVBLEND_DTYPE`` (auto / bfloat16 / float32 / float16), default auto."""
-    return os.environ.get("KVBLEND_DTYPE") or "auto"
+    return env.read("KVBLEND_DTYPE")
 
 
 def default_num_threads() -> int:
     """``KVBLEND_THREADS``: torch threads for an engine; 0 leaves torch's default."""
-    text = os.environ.get("KVBLEND_THREADS") or "0"
-    if not text.isdigit():
-        raise ValueError(f"KVBLEND_THREADS must be a whole number, got {text!r}")
-    return int(text)
+    return env.read("KVBLEND_THREADS")
 
 
 def default_attention_kernel() -> str:
     """``KVBLEND_ATTENTION_KERNEL`` (auto / amx / avx512bf16 / avx2 / torch), default auto."""
-    return os.environ.get("KVBLEND_ATTENTION_KERNEL") or "auto"
+    return env.read("KVBLEND_ATTENTION_KERNEL")
 
 
 @dataclass
@@ -284,87 +254,32 @@ def filter_kwargs(cls, kwargs: dict) -> dict:
 
 def load_env_overrides() -> dict:
     """The store's environment variables (the model's are ModelConfig's defaults)."""
-    env = os.environ
     out: dict = {}
-    if env.get("KVBLEND_STORE_TIERS"):
-        out["tiers"] = tuple(t.strip() for t in env["KVBLEND_STORE_TIERS"].split(",") if t.strip())
-    if env.get("KVBLEND_STORE_DIR"):
-        out["disk_dir"] = env["KVBLEND_STORE_DIR"]
-    if env.get("KVBLEND_REDIS_URL"):
-        out["redis_url"] = env["KVBLEND_REDIS_URL"]
+    for var, key in (("KVBLEND_STORE_TIERS", "tiers"), ("KVBLEND_STORE_DIR", "disk_dir"),
+                     ("KVBLEND_REDIS_URL", "redis_url")):
+        if env.is_set(var):
+            out[key] = env.read(var)
     return out
-
-
-# PyTorch's OpenMP threads spin this many rounds after an op before they sleep (GNU OpenMP). On 2 vCPUs,
-# sleeping at once (OMP_WAIT_POLICY=PASSIVE) made blend@0.15 5-9% and reuse ~11% slower. The default endless
-# spin starved the native kernels' threads: blend@0.15 took 792 ms against 638 with PASSIVE (docs/cpu-tuning.md).
-OPENMP_SPIN_COUNT = "10000"
-
-
-def apply_openmp_defaults() -> bool:
-    """Set GOMP_SPINCOUNT before torch loads OpenMP, unless the user chose a wait policy or spin count.
-    Returns whether it was set. Too late (no effect) once torch is imported."""
-    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
-        return False
-    os.environ["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT
-    return True
-
-
-# glibc hands freed blocks above its (adaptive) thresholds back to the OS, and a prefill frees and allocates
-# tens of MB a layer, so every request faults its working memory in again: a full prefill of a 6,254-token
-# prompt (SmolLM2, bf16) took ~156,000 minor page faults, blend@0.15 ~10,700. Taking blocks under
-# MALLOC_MMAP_BYTES from the heap and keeping up to MALLOC_TRIM_BYTES of it freed: 706 and 2 faults, full
-# 2,045 -> 1,901 ms, blend@0.15 463 -> 445 (docs/cpu-tuning.md). The freed memory stays with the process.
-MALLOC_MMAP_BYTES = 256 << 20
-MALLOC_TRIM_BYTES = 1 << 30
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-
-
-def apply_malloc_defaults() -> bool:
-    """Set glibc's mmap and trim thresholds (``mallopt``) for this process, unless the user set glibc's own
-    MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_. Returns whether it was set (False off glibc)."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
-        return False
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # another C library (musl has no mallopt)
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MALLOC_MMAP_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, MALLOC_TRIM_BYTES))
 
 
 def default_config_dir() -> Path:
     """Per-user config root (``auth.json`` lives here); ``XDG_CONFIG_HOME`` respected."""
-    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "kvblend"
+    return (env.read("XDG_CONFIG_HOME") or Path.home() / ".config") / "kvblend"
 
 
 # Client endpoint settings taken from the environment; they override auth.json (see kvblend/client/auth.py).
+# KVBLEND_API_KEY was once both the client's key and a server key: the client still reads it (deprecated).
 CLIENT_ENV_VARS = {"KVBLEND_BASE_URL": "base_url", "KVBLEND_CLIENT_API_KEY": "api_key",
                    "KVBLEND_MODEL_ID": "model_id"}
-# Before 0.2 one variable was both the client's key and a server key, so exporting it for `kvblend doctor`
-# switched a local server's auth on. The client still reads it (with a warning); the server no longer does.
-DEPRECATED_CLIENT_KEY_VAR = "KVBLEND_API_KEY"
 
 
 def client_env_overrides() -> dict:
     """{auth.json key: value} for each set client variable (KVBLEND_BASE_URL, _CLIENT_API_KEY,
     _MODEL_ID; the deprecated KVBLEND_API_KEY where KVBLEND_CLIENT_API_KEY is unset)."""
-    out = {key: os.environ[var] for var, key in CLIENT_ENV_VARS.items() if os.environ.get(var)}
-    if "api_key" not in out and os.environ.get(DEPRECATED_CLIENT_KEY_VAR):
-        _warn_once(f"{DEPRECATED_CLIENT_KEY_VAR} is deprecated for the client: export "
-                   "KVBLEND_CLIENT_API_KEY instead")
-        out["api_key"] = os.environ[DEPRECATED_CLIENT_KEY_VAR]
+    out = {key: env.read(var) for var, key in CLIENT_ENV_VARS.items() if env.is_set(var)}
+    if "api_key" not in out and env.is_set("KVBLEND_API_KEY"):
+        out["api_key"] = env.read("KVBLEND_API_KEY")
     return out
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        print(f"kvblend: warning: {message}", file=sys.stderr)
 
 
 # --- server (`kvblend serve`) ------------------------------------------------------------------
@@ -452,29 +367,21 @@ class ServerConfig:
             raise ValueError(f"duplicate model ids in {ids}")
 
 
-SERVER_KEYS_VAR = "KVBLEND_SERVER_API_KEYS"
-DEPRECATED_SERVER_KEYS_VAR = "KVBLEND_API_KEYS"
-
-
 def load_server_env() -> dict:
     """Server keys from the environment: KVBLEND_SERVER_API_KEYS="key[:namespace],..." (the deprecated
     KVBLEND_API_KEYS is still read). KVBLEND_API_KEY is the client's and never switches auth on."""
-    env = os.environ
-    items = (env.get(SERVER_KEYS_VAR) or "").split(",")
-    if env.get(DEPRECATED_SERVER_KEYS_VAR):
-        _warn_once(f"{DEPRECATED_SERVER_KEYS_VAR} is deprecated: export {SERVER_KEYS_VAR} instead")
-        items += env[DEPRECATED_SERVER_KEYS_VAR].split(",")
+    items = [*env.read("KVBLEND_SERVER_API_KEYS"), *env.read("KVBLEND_API_KEYS")]
     keys: list[ApiKey] = []
     for item in items:
-        key, _, namespace = item.strip().partition(":")
+        key, _, namespace = item.partition(":")
         if key:
             keys.append(ApiKey(key=key, name=f"env{len(keys)}", namespace=namespace))
-    if env.get(DEPRECATED_CLIENT_KEY_VAR) and not keys:
-        _warn_once(f"{DEPRECATED_CLIENT_KEY_VAR} is a client setting and no longer turns server auth on; "
-                   f"export {SERVER_KEYS_VAR} (or pass --api-key) for that")
+    if env.is_set("KVBLEND_API_KEY") and not keys:
+        env.warn_once("KVBLEND_API_KEY is a client setting and no longer turns server auth on; export "
+                      "KVBLEND_SERVER_API_KEYS (or pass --api-key) for that")
     return {"api_keys": keys} if keys else {}
 
 
 def read_secret_env(name: str) -> str:
     """An upstream model's key, named in config by ``api_key_env`` (env is read only here)."""
-    return os.environ.get(name, "") if name else ""
+    return env.read_secret(name)

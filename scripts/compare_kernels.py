@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvblend.bench.data import DEFAULT_MUSIQUE, load_musique  # noqa: E402
 from kvblend.bench.engine_bench import bench_segments  # noqa: E402
-from kvblend.config import BlendConfig, EngineConfig, ModelConfig, cpu_model_name  # noqa: E402
+from kvblend.config import BlendConfig, EngineConfig, ModelConfig  # noqa: E402
+from kvblend.platform import cpu_model_name  # noqa: E402
 from kvblend.engine.engine import create_engine  # noqa: E402
 from kvblend.engine.request import GenerationRequest, SamplingParams  # noqa: E402
 

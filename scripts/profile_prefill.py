@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvblend.config import apply_malloc_defaults, apply_openmp_defaults  # noqa: E402
+from kvblend.platform import apply_malloc_defaults, apply_openmp_defaults  # noqa: E402
 
 # the `kvblend` CLI's process settings, so that timings here are the bench's: before torch loads OpenMP
 apply_openmp_defaults()

@@ -4,6 +4,22 @@ from __future__ import annotations
 
 import pytest
 
+# ---- markers: unit / engine / e2e, from what a test needs (owner: house) --------------------------
+# e2e: a real server subprocess or redis-server; engine: the real model in this process; unit: the rest.
+E2E_FIXTURES = {"kvblend_server_factory", "redis_server"}
+ENGINE_MODULES = {"test_engine", "test_kernels", "test_qwen", "test_selection_oracle",
+                  "test_profile_prefill", "test_buffers", "test_bench_engine"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+        elif item.module.__name__.rpartition(".")[2] in ENGINE_MODULES:
+            item.add_marker(pytest.mark.engine)
+        else:
+            item.add_marker(pytest.mark.unit)
+
 
 # ---- redis_server: a real, throwaway redis-server on a free port (owner: store) -------------------
 REDIS_SKIP_REASON = "redis-server not installed"

@@ -107,8 +107,11 @@ def test_client_key_variable_does_not_switch_server_auth_on(kvblend_server_facto
 
 
 def test_server_key_variables(monkeypatch, capsys):
+    from kvblend import env
     from kvblend.config import client_env_overrides
     from kvblend.settings import load_server_config
+
+    monkeypatch.setattr(env, "_warned", set())  # each warning prints once a process
 
     for var in ("KVBLEND_API_KEY", "KVBLEND_API_KEYS", "KVBLEND_SERVER_API_KEYS", "KVBLEND_CLIENT_API_KEY"):
         monkeypatch.delenv(var, raising=False)

@@ -463,7 +463,7 @@ def test_openmp_spin_default_leaves_the_users_choice(monkeypatch):
     """The CLI sets GOMP_SPINCOUNT before torch loads OpenMP, unless a spin count or wait policy is set."""
     import os
 
-    from kvblend.config import OPENMP_SPIN_COUNT, apply_openmp_defaults
+    from kvblend.platform import OPENMP_SPIN_COUNT, apply_openmp_defaults
 
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
@@ -480,7 +480,7 @@ def test_malloc_default_leaves_the_users_choice(monkeypatch):
     being faulted in again every layer), unless the user set glibc's own variables."""
     import platform
 
-    from kvblend.config import apply_malloc_defaults
+    from kvblend.platform import apply_malloc_defaults
 
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     assert not apply_malloc_defaults()

@@ -22,7 +22,8 @@ def test_parts_add_up_to_the_ttft_and_the_wrapped_calls_are_restored(monkeypatch
         rows = {line.split(" | ")[0].lstrip("| "): float(line.split(" | ")[1])
                 for line in table.splitlines() if line.startswith("| ") and not line.startswith("| part")}
         ttft = float(table.split("mean TTFT ")[1].split(" ms")[0])
-        assert abs(sum(rows.values()) - ttft) < 0.2, table  # "rest" is what the timed parts leave
+        # "rest" is what the timed parts leave; each printed value is rounded to 0.1 ms
+        assert abs(sum(rows.values()) - ttft) <= 0.05 * (len(rows) + 1) + 1e-6, table
         assert rows["attention"] > 0 and rows["o_proj + MLP"] > 0 and rows["q/k/v"] > 0, table
         assert rows["rest (planning, selection, Python)"] >= 0, table
     assert [getattr(owner, name) for _, owner, name in profile.PARTS] == originals

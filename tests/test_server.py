@@ -17,7 +17,6 @@ import pytest
 
 MODEL = "smollm2-135m-instruct"
 KEY_A, KEY_B = "sk-test-tenant-a", "sk-test-tenant-b"
-TTFTS: dict[str, list[float]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +111,6 @@ def test_shuffled_documents_hit_cache(client, build):
     assert kv(first)["chunks_hit"] == 0 and kv(first)["chunks_total"] == 4, kv(first)
     assert kv(second)["chunks_hit"] == 4, kv(second)
     assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens_details.cached_tokens
-    TTFTS[build.__name__] = [kv(first)["ttft_ms"], kv(second)["ttft_ms"]]
 
 
 def test_mode_and_ratio_overrides(client):
@@ -295,13 +293,6 @@ def test_openapi_fuzz_no_500(server):
     assert not failures, failures[:5]
     assert calls >= len(operations) * 4, calls
     assert httpx.get(server.base_url + "/health").status_code == 200
-
-
-def test_report_ttft(capsys):
-    """Not an assertion: prints first vs shuffled-second TTFT the server reported, for the record."""
-    with capsys.disabled():
-        for k, (first, second) in TTFTS.items():
-            print(f"\n  ttft {k}: first {first:.1f} ms, shuffled second {second:.1f} ms")
 
 
 def test_ingest_cli_via_url(server, client, tmp_path, capsys):

@@ -80,7 +80,7 @@ def exit_code_for_errors(report: dict, section: str) -> int:
 
 def client_machine() -> str:
     """The machine the client benchmark ran on (the server's, when it serves on loopback)."""
-    from kvblend.config import cpu_model_name
+    from kvblend.platform import cpu_model_name
 
     return f"{cpu_model_name() or platform.machine()}, {os.cpu_count()} CPUs"
 

@@ -398,7 +398,7 @@ def _device_name(device: str) -> str:
 
     import torch
 
-    from kvblend.config import cpu_model_name
+    from kvblend.platform import cpu_model_name
 
     if device != "cpu":
         return torch.cuda.get_device_name(torch.device(device))

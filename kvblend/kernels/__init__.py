@@ -38,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-from kvblend.config import cpu_flags
+from kvblend import env
+from kvblend.platform import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,9 @@ KERNEL_SPECS = (
                ("avx2", "fma"), torch.float32),
 )
 KERNELS_BY_NAME = {spec.name: spec for spec in KERNEL_SPECS}
+# The self-check's exit status for "the kernel ran and gave wrong numbers" (selfcheck.py); any other
+# failure (an import error, say) says nothing about the build, so it is not recorded against the build.
+EXIT_MISMATCH = 3
 
 
 def kernels_for(dtype: torch.dtype) -> tuple[KernelSpec, ...]:
@@ -363,7 +367,7 @@ def _build_and_load(spec: KernelSpec, out_dir: Path) -> RowsAttention:
     missing = [f for f in spec.cpu_flags if f not in flags]
     if missing:
         raise KernelUnavailable(f"this CPU lacks {', '.join(missing)} (needed by the {spec.name} kernel)")
-    cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    cc = shutil.which(env.read("CC")) or shutil.which("cc")
     if cc is None:
         raise KernelUnavailable(f"no C compiler (gcc) on PATH to build the {spec.name} kernel")
     source_path = Path(__file__).with_name(spec.source)
@@ -406,13 +410,11 @@ def _self_check(lib_path: str, spec: KernelSpec) -> tuple[str | None, bool]:
     """Run kvblend.kernels.selfcheck on a new build in a subprocess: a miscompiled kernel may crash, and
     that must not take this process down. Returns (None, False) when it passed, else (what went wrong,
     whether that is the build's fault: it crashed or gave wrong numbers)."""
-    from kvblend.kernels.selfcheck import EXIT_MISMATCH
-
     package_root = str(Path(__file__).resolve().parents[2])  # importable even when not pip-installed
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     try:
         proc = subprocess.run([sys.executable, "-m", "kvblend.kernels.selfcheck", lib_path, spec.name],
-                              capture_output=True, text=True, timeout=300, env=env)
+                              capture_output=True, text=True, timeout=300,
+                              env=env.child_environ(prepend_path=package_root))
     except subprocess.TimeoutExpired:
         return "it did not finish within 300 s", False
     if proc.returncode == 0:

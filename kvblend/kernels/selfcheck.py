@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvblend.kernels import EXIT_MISMATCH, KERNELS_BY_NAME, open_library
+
 # Output tolerance per kernel dtype for unit-scale inputs (bf16 probabilities before P V: ~1e-2).
 OUTPUT_ATOL = {torch.bfloat16: 5e-2, torch.float32: 1e-3}
 # key_mass against a reference fed the same bf16-rounded rotated queries: only exp2's polynomial (relative
@@ -129,14 +131,7 @@ def check_decode(kernel, num_keys: int = 600, num_kv_heads: int = 2, rep: int = 
     return diff
 
 
-# Exit status for "the kernel ran and gave wrong numbers"; any other failure (an import error, say) says
-# nothing about the build, so the loader does not record it against the build.
-EXIT_MISMATCH = 3
-
-
 def main(argv: list[str]) -> int:
-    from kvblend.kernels import KERNELS_BY_NAME, open_library
-
     lib_path, name = Path(argv[0]), argv[1]
     kernel = open_library(lib_path, KERNELS_BY_NAME[name])
     try:

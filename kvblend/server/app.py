@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvblend.config import ServerConfig
 from kvblend.server import errors
 from kvblend.server.auth import Authenticator, Principal
-from kvblend.server.backends import Backend, Delta, Final, GenerationJob, build_backends, build_store, document_id
+from kvblend.server.backends import Backend, Delta, Final, GenerationJob, document_id
+from kvblend.server.factory import create_backends, create_store
 from kvblend.server.anthropic import anthropic_router
 from kvblend.server.metrics import Metrics
 from kvblend.server.schemas import (
@@ -74,8 +75,8 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
     """Build the app. ``backends`` (tests) replaces the ones the config describes; ``on_ready`` is called
     with the loaded backends once every model serves (the CLI prints its start-up summary there)."""
     if backends is None:
-        store = build_store(config.store) if store is None else store
-        backends = build_backends(config, store)
+        store = create_store(config.store) if store is None else store
+        backends = create_backends(config, store)
     state = ServerState(config, backends, store)
 
     @asynccontextmanager

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Union
 
 from kvblend.blend.segmenter import build_completion_segments
-from kvblend.config import ModelEntry, ServerConfig, StoreConfig, parse_selection
+from kvblend.config import ModelEntry, ServerConfig, parse_selection
 from kvblend.engine.request import GenerationRequest, GenerationResult, PrefillStats, SamplingParams, TokenEvent
 from kvblend.engine.scheduler import Failed, QueueFullError, Scheduler, SchedulerClosedError, Started
 from kvblend.server import errors
@@ -250,24 +250,3 @@ class LocalBackend:
 
 def document_id(text: str) -> str:
     return "doc-" + hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def build_store(cfg: StoreConfig):
-    """The configured chunk store, shared by every local model (keys carry the model fingerprint)."""
-    from kvblend.store.factory import create_store
-
-    return create_store(cfg)
-
-
-def build_backends(config: ServerConfig, store) -> list[Backend]:
-    out: list[Backend] = []
-    for entry in config.models:
-        if entry.kind == "local":
-            out.append(LocalBackend(entry, store, config))
-        elif entry.kind == "upstream":
-            from kvblend.server.upstream import UpstreamBackend  # imports this module: avoid a cycle
-
-            out.append(UpstreamBackend(entry, config))
-        else:
-            raise ValueError(f"model {entry.id!r}: backend kind {entry.kind!r} is not implemented yet")
-    return out

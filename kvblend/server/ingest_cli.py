@@ -81,7 +81,8 @@ def _local(args, batches: Iterator[list[dict]]) -> Iterator[list[dict]]:
     import logging
 
     from kvblend.engine.engine import create_engine
-    from kvblend.server.backends import build_store, document_id
+    from kvblend.server.backends import document_id
+    from kvblend.store.factory import create_store
     from kvblend.settings import load_server_config
 
     config = load_server_config(args.config)
@@ -90,7 +91,7 @@ def _local(args, batches: Iterator[list[dict]]) -> Iterator[list[dict]]:
         raise ValueError(f"no local model {args.model!r} in the config")
     if config.store.tiers == ("memory",):
         logging.getLogger(__name__).warning("the store is memory-only: ingested KV is lost when this command exits")
-    store = build_store(config.store)
+    store = create_store(config.store)
     engine = create_engine(entries[0].engine_config(), store)
     try:
         for batch in batches:

@@ -8,43 +8,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import torch
+from kvblend.store.chunk import ChunkKV
+from kvblend.store.reader import KVReader, TensorReader
 
-if TYPE_CHECKING:
-    from kvblend.store.reader import KVReader
-
-
-@dataclass
-class ChunkKV:
-    """KV of one segment, as computed once and reused anywhere.
-
-    k: pre-RoPE keys  [num_layers, num_kv_heads, seq_len, head_dim]
-    v: values         [num_layers, num_kv_heads, seq_len, head_dim]
-    Keys are stored *before* rotary embedding so they can be re-positioned exactly.
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    def __post_init__(self):
-        if self.k.shape != self.v.shape or self.k.dim() != 4:
-            raise ValueError(f"ChunkKV wants k, v of one shape [layers, kv_heads, L, d]; got {tuple(self.k.shape)}, {tuple(self.v.shape)}")
-
-    @property
-    def num_layers(self) -> int:
-        return self.k.shape[0]
-
-    @property
-    def seq_len(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
-
+__all__ = ["ChunkKV", "KVReader", "KVStore"]
 
 class KVStore(ABC):
     """Contract: ``get`` returns either the exact KV that was ``put`` under ``key`` or None (miss).
@@ -60,13 +28,11 @@ class KVStore(ABC):
     def contains(self, key: str) -> bool:
         return self.get(key) is not None
 
-    def open(self, key: str) -> "KVReader | None":
+    def open(self, key: str) -> KVReader | None:
         """A layer-by-layer reader of ``key``'s KV, or None on a miss (see kvblend.store.reader).
 
         Default: load everything, then serve slices. Backends override to fetch one layer at a time.
         """
-        from kvblend.store.reader import TensorReader
-
         kv = self.get(key)
         return TensorReader(kv) if kv is not None else None
 

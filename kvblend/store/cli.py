@@ -29,16 +29,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def store_config(args: argparse.Namespace):
     """The StoreConfig a `kvblend serve` with the same config file and environment would use, with this
-    command's flags on top. ``--redis-url`` adds the Redis tier; ``--tier disk`` inspects the disk tier
-    even when the server keeps chunks in memory only."""
+    command's flags on top. ``--dir`` / ``--redis-url`` add their tier; ``--tier disk`` inspects the
+    disk tier even when the server keeps chunks in memory only."""
     import dataclasses
 
     from kvblend.settings import load_server_config
 
     cfg = load_server_config(args.config).store
     tiers = list(cfg.tiers)
-    if args.redis_url and "redis" not in tiers:
-        tiers.append("redis")
+    for tier, flag in (("disk", args.dir), ("redis", args.redis_url)):
+        if flag and tier not in tiers:
+            tiers.append(tier)
     if args.tier in PERSISTENT_TIERS and args.tier not in tiers:
         if args.tier == "redis" and not args.redis_url:
             raise ValueError("--tier redis: this config has no Redis tier; pass --redis-url")

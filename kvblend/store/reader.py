@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvblend.store.base import ChunkKV
+from kvblend.store.chunk import ChunkKV
 from kvblend.store.serializer import CorruptKVError, KVHeader, byte_view, copy_layer_bytes_into
 
 

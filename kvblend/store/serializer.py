@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvblend.store.base import ChunkKV
+from kvblend.store.chunk import ChunkKV
 
 MAGIC = b"KVBLEND\0"
 FORMAT_VERSION = 1
