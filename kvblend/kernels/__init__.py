@@ -380,10 +380,12 @@ def select_rows_attention(cache_dir: Path, dtype: torch.dtype = torch.bfloat16, 
         try:
             return _load_cached(spec, Path(cache_dir), head_dim), passed_over
         except KernelUnavailable as e:
-            first_error = first_error or e  # the most preferred build's reason is the one to report
+            first_error = first_error or e
             if passed_over is None and e.is_defect:
                 passed_over = e
-    raise first_error
+    # the first broken build's reason, else the most preferred build's (a CPU without AMX must not hide a
+    # broken AVX512-BF16 build behind "this CPU lacks amx_tile")
+    raise passed_over or first_error
 
 
 def _load_cached(spec: KernelSpec, cache_dir: Path, head_dim: int = HEAD_DIM) -> RowsAttention:
@@ -429,19 +431,24 @@ def _build_and_load(spec: KernelSpec, out_dir: Path, head_dim: int = HEAD_DIM) -
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if cc is None:
         raise KernelUnavailable(f"no C compiler (gcc) on PATH to build the {spec.name} kernel", "compiler")
-    source_path = Path(__file__).with_name(spec.source)
-    # the headers it includes are part of what is built
-    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
-    cflags = build_flags(spec, head_dim)
-    key = b"\0".join([source, " ".join(cflags).encode(), cc.encode(), compiler_version(cc).encode()])
-    digest = hashlib.sha256(key).hexdigest()[:16]
-    path = out_dir / f"{spec.name}-d{head_dim}-{digest}.so"
+    path = build_path(spec, out_dir, head_dim, cc)
     failed = path.with_suffix(".failed")  # a build that failed its self-check is not retried
     if failed.is_file():
         raise KernelUnavailable(failed.read_text().strip(), "selfcheck")
     if not path.is_file():
-        _build_checked(spec, cc, source_path, path, failed, head_dim)
+        _build_checked(spec, cc, Path(__file__).with_name(spec.source), path, failed, head_dim)
     return open_library(path, spec, head_dim)
+
+
+def build_path(spec: KernelSpec, out_dir: Path, head_dim: int, cc: str) -> Path:
+    """Where the build of ``spec`` for ``head_dim`` by compiler ``cc`` lives (its failure record beside it,
+    ``.failed``): keyed by the source and the headers it includes, the flags, the compiler's path and its
+    version, so an edited source or another compiler builds (and checks) afresh."""
+    source_path = Path(__file__).with_name(spec.source)
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
+    key = b"\0".join([source, " ".join(build_flags(spec, head_dim)).encode(), cc.encode(),
+                       compiler_version(cc).encode()])
+    return out_dir / f"{spec.name}-d{head_dim}-{hashlib.sha256(key).hexdigest()[:16]}.so"
 
 
 def _build_checked(spec: KernelSpec, cc: str, source_path: Path, path: Path, failed: Path,
