@@ -15,7 +15,8 @@ help:
 	@echo "make demo   - set up .venv and run a short engine benchmark on the embedded model"
 	@echo "make test   - set up .venv, check the import layers, run the test suite (make test-fast: no e2e)"
 	@echo "make bench  - full engine benchmark (20 MuSiQue examples); make qwen fetches the Qwen2 model"
-	@echo "make bench-peers - TTFT of kvblend vs vLLM and llama.cpp (installs them under .peers/; docs/PEERS.md)"
+	@echo "make bench-peers [MODEL=x.gguf|hf-dir] - TTFT of kvblend vs vLLM and llama.cpp on the same weights"
+	@echo "                   (installs them under .peers/; docs/PEERS.md)"
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -46,7 +47,7 @@ bench: $(STAMP)
 # `kvblend bench ttft` run across all three servers. Pass bench flags via ARGS, e.g. ARGS="--rounds 2 --docs 3".
 bench-peers: $(STAMP)
 	scripts/peers/setup.sh
-	scripts/peers/run.sh $(ARGS)
+	MODEL="$(MODEL)" scripts/peers/run.sh $(ARGS)
 
 qwen: $(STAMP)
 	$(BIN)/python scripts/fetch_qwen.py --out $(QWEN_GGUF)

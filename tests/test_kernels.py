@@ -1,7 +1,9 @@
 """The native attention kernels (kvblend/kernels: rows_attention.c, bf16 on AMX and, built without AMX,
 on AVX512-BF16; rows_attention_f32.c, fp32 on AVX2) against float64 / fp32 references.
 
-Each kernel's tests are skipped, with the reason, where it cannot run (no gcc, a CPU without its ISA).
+Each kernel's tests are skipped, with the reason, only where the machine cannot run it (no C compiler, a
+CPU or OS without its ISA); a build that fails to compile or fails its self-check FAILS them: silently
+falling back to PyTorch runs 2-4x slower. Both head sizes the builds take (64, 128) are checked.
 Tolerances: the bf16 kernels round probabilities to bf16 before P V (as PyTorch's bf16 flash kernel does),
 so outputs of unit scale differ from the reference by up to ~1e-2 and rotated keys are fp32 math rounded
 once to bf16; the fp32 kernel stays within 1e-4 (fp32 accumulation over ~6k keys, a 2e-7 exp2).
@@ -28,14 +30,27 @@ from kvblend.kernels.selfcheck import rope_half_tables as _rope_half, rotate as 
 TOLERANCES = {torch.bfloat16: (3e-2, (1 / 64, 1 / 128)), torch.float32: (1e-4, (1e-5, 1e-5))}
 
 
+def load_or_skip(spec, cache_dir, head_dim: int = 64):
+    """The build, skipped only where the machine lacks what it needs (cause cpu / os / compiler), failed
+    where the build itself is at fault (it did not compile or failed its self-check)."""
+    try:
+        return load_rows_attention(cache_dir, spec.dtype, spec.name, head_dim)
+    except KernelUnavailable as e:
+        if e.is_defect:
+            pytest.fail(f"the {spec.name} kernel (head_dim {head_dim}) is broken: {e}")
+        pytest.skip(f"{spec.name} kernel cannot run here ({e.cause}): {e}")
+
+
 @pytest.fixture(scope="module", params=[spec.name for spec in KERNEL_SPECS])
 def kernel(request, tmp_path_factory):
-    """Each build where this CPU runs it (an AMX CPU runs both bf16 builds)."""
-    spec = KERNELS_BY_NAME[request.param]
-    try:
-        return load_rows_attention(tmp_path_factory.mktemp("kvblend-cache"), spec.dtype, spec.name)
-    except KernelUnavailable as e:
-        pytest.skip(f"{spec.name} kernel unavailable here: {e}")
+    """Each build (head_dim 64) where this CPU runs it (an AMX CPU runs both bf16 builds)."""
+    return load_or_skip(KERNELS_BY_NAME[request.param], tmp_path_factory.mktemp("kvblend-cache"))
+
+
+@pytest.fixture(scope="module", params=[spec.name for spec in KERNEL_SPECS])
+def kernel128(request, tmp_path_factory):
+    """Each build at head_dim 128 (Qwen2.5-1.5B, Llama-3-8B, Mistral-7B, Qwen2.5-7B)."""
+    return load_or_skip(KERNELS_BY_NAME[request.param], tmp_path_factory.mktemp("kvblend-cache"), 128)
 
 
 def _reference(q, k, v, positions, rope):
@@ -388,16 +403,16 @@ def test_bf16_falls_back_to_avx512bf16_when_the_amx_build_fails(tmp_path, monkey
         pytest.skip("this CPU lacks AVX512-BF16")
     real = kernels._build_and_load
 
-    def amx_fails(spec, out_dir):
+    def amx_fails(spec, out_dir, head_dim=64):
         if spec.name == "amx":
-            raise KernelUnavailable("the amx kernel failed its self-check: simulated")
-        return real(spec, out_dir)
+            raise KernelUnavailable("the amx kernel failed its self-check: simulated", "selfcheck")
+        return real(spec, out_dir, head_dim)
 
     monkeypatch.setattr(kernels, "_build_and_load", amx_fails)
     assert load_rows_attention(tmp_path / "a", torch.bfloat16).name == "avx512bf16"
     with pytest.raises(KernelUnavailable, match="simulated"):
         load_rows_attention(tmp_path / "b", torch.bfloat16, "amx")
-    def every_build_fails(spec, out_dir):
+    def every_build_fails(spec, out_dir, head_dim=64):
         raise KernelUnavailable(f"{spec.name} unavailable")
 
     monkeypatch.setattr(kernels, "_build_and_load", every_build_fails)
@@ -491,3 +506,194 @@ def test_malloc_default_leaves_the_users_choice(monkeypatch):
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt is glibc's")
     assert apply_malloc_defaults()
+
+
+# --- head_dim 128 (Qwen2.5-1.5B, Llama-3-8B, Mistral-7B, Qwen2.5-7B) and GQA ratios 1:1 to 8:1 ------------
+
+def _case(dtype, seed: int, num_keys: int, num_rows: int, num_kv_heads: int, rep: int, d: int):
+    """(q [A, Hkv * rep, d] peaked, k, v [Hkv, T, d], sorted positions [A] ending at the last key, RoPE)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_kv_heads, num_keys, d, generator=gen).to(dtype)
+    v = torch.randn(num_kv_heads, num_keys, d, generator=gen).to(dtype)
+    q = (torch.randn(num_rows, num_kv_heads * rep, d, generator=gen) * 3).to(dtype)  # the running max moves
+    if num_rows == num_keys:
+        positions = torch.arange(num_keys)
+    else:
+        positions = torch.randperm(num_keys - 1, generator=gen)[:num_rows - 1].sort().values
+        positions = torch.cat([positions, torch.tensor([num_keys - 1])])
+    return q, k, v, positions, _rope_half(num_keys, d)
+
+
+@pytest.mark.parametrize("num_keys,num_rows,num_kv_heads,rep", [
+    (1500, 225, 2, 6),  # Qwen2.5-1.5B's grouping (12 / 2 heads), 15% scattered rows
+    (400, 400, 1, 8),   # every row (full prefill), GQA 8:1 (Llama-3-70B's, the widest)
+    (300, 37, 4, 1),    # no GQA (Llama-2-7B), rows not a multiple of a tile
+    (257, 40, 2, 4),    # GQA 4:1 (Llama-3-8B / Mistral-7B); a key past a block
+    (150, 150, 4, 2),   # GQA 2:1, every row
+    (45, 1, 2, 6),      # one row: the last token
+])
+def test_head_dim_128_rows_attention_matches_fp64_reference(kernel128, num_keys, num_rows, num_kv_heads, rep):
+    """Rows with the exact causal mask by position at head_dim 128, against fp64 attention over the
+    kernel's own bf16 (or fp32) rotated keys; the rotated keys against fp32 RoPE rounded once."""
+    kernel = kernel128
+    q, k, v, positions, rope = _case(kernel.dtype, num_keys + rep, num_keys, num_rows, num_kv_heads, rep, 128)
+    out, k_rot = _run(kernel, q, k, v, positions, rope)
+    ref, ref_k = _reference(q, k, v, positions, rope)
+    out_atol, (k_atol, k_rtol) = TOLERANCES[kernel.dtype]
+    assert out.shape == (num_rows, num_kv_heads * rep * 128)
+    assert (out.float() - ref).abs().max().item() <= out_atol
+    torch.testing.assert_close(k_rot.float(), ref_k, atol=k_atol, rtol=k_rtol)
+
+
+@pytest.mark.parametrize("rep", [1, 2, 4, 8])
+def test_head_dim_64_gqa_ratios_match_fp64_reference(kernel, rep):
+    """GQA 1:1 to 8:1 at head_dim 64, scattered rows (the 3:1 and 7:1 models are covered above)."""
+    q, k, v, positions, rope = _case(kernel.dtype, rep, 500, 70, 2, rep, 64)
+    out, _ = _run(kernel, q, k, v, positions, rope)
+    ref, _ = _reference(q, k, v, positions, rope)
+    assert (out.float() - ref).abs().max().item() <= TOLERANCES[kernel.dtype][0]
+
+
+def test_head_dim_128_rows_never_see_a_later_key(kernel128):
+    """As at 64: q = 0 and value = position, so a row at p reads mean(0..p) = p / 2 exactly."""
+    kernel, num_keys = kernel128, 700
+    positions = torch.tensor([0, 1, 5, 17, 40, 41, 42, 130, 131, 257, 500, 640, 641, 699])
+    q = torch.zeros(len(positions), 4, 128, dtype=kernel.dtype)
+    k = torch.randn(1, num_keys, 128).to(kernel.dtype)
+    v = (torch.arange(num_keys).float() / num_keys)[None, :, None].expand(1, num_keys, 128).to(kernel.dtype)
+    out, _ = _run(kernel, q, k, v.contiguous(), positions, None)
+    expected = (positions.float() / 2 / num_keys)[:, None].expand(-1, 4 * 128)
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("num_keys,num_rows,rep", [(1200, 30, 6), (300, 300, 8), (200, 37, 1)])
+def test_head_dim_128_key_mass(kernel128, num_keys, num_rows, rep):
+    """Lookahead's key mass at head_dim 128 against fp32 softmax fed the kernel's bf16 rotated queries;
+    the mass of all keys sums to rows x heads."""
+    kernel = kernel128
+    if not kernel.has_key_mass:
+        pytest.skip(f"the {kernel.name} kernel records no key mass")
+    q, k, v, positions, rope = _case(kernel.dtype, num_keys, num_keys, num_rows, 2, rep, 128)
+    if num_rows == 30:  # lookahead's reuse pass: the query rows at the end
+        positions = torch.arange(num_keys - num_rows, num_keys)
+    _, k_rot = _reference(q, k, v, positions, rope)
+    q_rot = _rotate(q.transpose(0, 1), rope[0][positions], rope[1][positions])  # [Hq, A, d]
+    mask = torch.arange(num_keys)[None, :] <= positions[:, None]
+    ref = reference_key_mass(q_rot, k_rot.to(kernel.dtype).float(), mask, 128 ** -0.5)
+    check_key_mass(kernel, q, k, v, positions, rope, ref)  # raises past the tolerance
+    assert ref.sum().item() == pytest.approx(num_rows * 2 * rep, rel=1e-4)
+
+
+@pytest.mark.parametrize("num_keys", [1, 257, 3000])
+@pytest.mark.parametrize("num_kv_heads,rep", [(2, 6), (1, 8), (4, 1), (2, 4)])
+def test_head_dim_128_decode_attention_matches_fp64_reference(kernel128, num_keys, num_kv_heads, rep):
+    """One decoding row at head_dim 128 over a cache read in place (heads strided by its capacity)."""
+    kernel = kernel128
+    if not kernel.has_decode:
+        pytest.skip(f"the {kernel.name} build has no decode kernel")
+    gen = torch.Generator().manual_seed(num_keys * 10 + rep)
+    cache_k = torch.randn(num_kv_heads, num_keys + 40, 128, generator=gen).to(kernel.dtype)
+    cache_v = torch.randn(num_kv_heads, num_keys + 40, 128, generator=gen).to(kernel.dtype)
+    q = torch.randn(num_kv_heads * rep, 3, 128, generator=gen).mul(2).to(kernel.dtype)[:, 2]  # [Hq, d], strided
+    k, v = cache_k[:, :num_keys], cache_v[:, :num_keys]
+    ref = F.scaled_dot_product_attention(q.double()[None, :, None], k.double()[None], v.double()[None],
+                                         enable_gqa=True)[0].reshape(1, -1).float()
+    for num_threads in (1, 2):
+        out = kernel.decode_attention(q, k, v, 128 ** -0.5, num_threads)
+        assert out.shape == (1, num_kv_heads * rep * 128)
+        assert (out.float() - ref).abs().max().item() <= TOLERANCES[kernel.dtype][0]
+
+
+def test_a_build_refuses_another_head_dim(kernel128):
+    k = torch.zeros(1, 10, 64, dtype=kernel128.dtype)
+    out = torch.empty(2, 64, dtype=kernel128.dtype)
+    scratch = torch.empty(kernel128.scratch_bytes(10, 1), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="attends head_dim 128, got 64"):
+        kernel128(torch.zeros(2, 1, 64, dtype=kernel128.dtype), k, k, None, None, torch.tensor([3, 4]), 0.125, out,
+                  scratch, 1)
+    with pytest.raises(KernelUnavailable, match="head_dim 64 or 128 only") as info:
+        load_rows_attention(kernel128.path.parent.parent, kernel128.dtype, kernel128.name, 96)
+    assert not info.value.is_defect
+
+
+def _model_with_head_dim(head_dim: int):
+    """What _rows_attention_kernel reads of a loaded model: its HF config."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(head_dim=head_dim, hidden_size=12 * head_dim, num_attention_heads=12)
+    return SimpleNamespace(hf_model=SimpleNamespace(config=config))
+
+
+def _best_runnable(dtype):
+    from kvblend import kernels
+
+    return next((s for s in kernels.kernels_for(dtype) if set(s.cpu_flags) <= kernels.cpu_flags()), None)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_auto_picks_the_best_native_build_for_both_head_dims(dtype, head_dim, tmp_path):
+    from kvblend.engine.engine import _rows_attention_kernel
+
+    best = _best_runnable(getattr(torch, dtype))
+    if best is None:
+        pytest.skip(f"this CPU runs no native {dtype} build")
+    cfg = ModelConfig(dtype=dtype, attention_kernel="auto", cache_dir=tmp_path)
+    chosen, reason = _rows_attention_kernel(cfg, _model_with_head_dim(head_dim))
+    if chosen is None:
+        pytest.fail(f"auto fell back to PyTorch at head_dim {head_dim}: {reason}")
+    assert (chosen.name, chosen.head_dim, reason) == (best.name, head_dim, None)
+    assert _rows_attention_kernel(ModelConfig(dtype=dtype, attention_kernel="torch", cache_dir=tmp_path),
+                                  _model_with_head_dim(head_dim)) == (None, "attention_kernel=torch was asked for")
+
+
+def test_a_broken_best_build_is_a_warning_with_its_reason(tmp_path, monkeypatch, caplog):
+    """A best build that fails its self-check leaves the next build (or PyTorch) with a WARNING naming
+    why, and the engine keeps that reason (/health and usage.kvblend show it); a CPU lacking the ISA is
+    not a warning."""
+    import logging
+
+    from kvblend import kernels
+    from kvblend.engine.engine import _rows_attention_kernel
+
+    best = _best_runnable(torch.bfloat16)
+    if best is None:
+        pytest.skip("this CPU runs no native bfloat16 build")
+    real = kernels._build_and_load
+
+    def best_fails(spec, out_dir, head_dim=64):
+        if spec.name == best.name:
+            raise KernelUnavailable(f"the {spec.name} kernel failed its self-check: simulated", "selfcheck")
+        return real(spec, out_dir, head_dim)
+
+    monkeypatch.setattr(kernels, "_build_and_load", best_fails)
+    cfg = ModelConfig(dtype="bfloat16", attention_kernel="auto", cache_dir=tmp_path)
+    with caplog.at_level(logging.INFO, logger="kvblend.engine.engine"):
+        chosen, reason = _rows_attention_kernel(cfg, _model_with_head_dim(128))
+    assert "simulated" in reason
+    assert [r.levelno for r in caplog.records if "simulated" in r.getMessage()] == [logging.WARNING]
+    assert chosen is None or chosen.name != best.name
+
+    def cpu_lacks(spec, out_dir, head_dim=64):
+        raise KernelUnavailable(f"this CPU lacks everything (needed by the {spec.name} kernel)", "cpu")
+
+    monkeypatch.setattr(kernels, "_build_and_load", cpu_lacks)
+    cfg = ModelConfig(dtype="bfloat16", attention_kernel="auto", cache_dir=tmp_path / "other")  # not cached
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvblend.engine.engine"):
+        chosen, reason = _rows_attention_kernel(cfg, _model_with_head_dim(128))
+    assert chosen is None and "lacks" in reason
+    assert [r.levelno for r in caplog.records if "lacks" in r.getMessage()] == [logging.INFO]
+
+
+def test_builds_and_failure_records_are_keyed_by_compiler_version(monkeypatch, tmp_path):
+    from kvblend import kernels
+
+    spec = KERNELS_BY_NAME["avx2"]
+    monkeypatch.setitem(kernels._compiler_versions, "/opt/cc", "cc 1.0")
+    old = kernels.build_path(spec, tmp_path, 64, "/opt/cc")
+    assert kernels.build_path(spec, tmp_path, 64, "/opt/cc") == old
+    assert kernels.build_path(spec, tmp_path, 128, "/opt/cc") != old
+    monkeypatch.setitem(kernels._compiler_versions, "/opt/cc", "cc 1.1")  # upgraded in place
+    new = kernels.build_path(spec, tmp_path, 64, "/opt/cc")
+    assert new != old and new.with_suffix(".failed") != old.with_suffix(".failed")

@@ -56,6 +56,17 @@ def test_health_and_models(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_health_and_usage_name_the_attention_kernel(server, client):
+    """/health says which attention kernel each local model runs and, when it is not the CPU's best
+    native build, why; every response's usage.kvblend says the same."""
+    attention = httpx.get(server.base_url + "/health").json()["attention"][MODEL]
+    assert attention["kernel"] in ("amx", "avx512bf16", "avx2", "torch")
+    if attention["kernel"] == "torch":
+        assert attention["reason"]  # e.g. "this CPU lacks avx2, fma (needed by the avx2 kernel)"
+    r = chat(client, [{"role": "user", "content": "Say hi."}], max_tokens=1)
+    assert (kv(r)["attention_kernel"], kv(r)["attention_kernel_reason"]) == (attention["kernel"], attention["reason"])
+
+
 def test_chat_non_stream(client):
     r = chat(client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}])
     assert r.object == "chat.completion" and r.model == MODEL

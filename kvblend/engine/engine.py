@@ -27,8 +27,7 @@ from kvblend.engine.request import (GenerationRequest, GenerationResult, Prefill
                                     TokenEvent)
 from kvblend.engine.sampler import create_generator, sample
 from kvblend.models.loader import EMBEDDED_MODEL_ID, LoadedModel, load_model
-from kvblend.kernels import (HEAD_DIM, KERNELS_BY_NAME, KernelUnavailable, dtype_name, kernels_for,
-                             load_rows_attention)
+from kvblend.kernels import KERNELS_BY_NAME, KernelUnavailable, dtype_name, kernels_for, select_rows_attention
 from kvblend.models.transformer import TransformerOps
 from kvblend.engine.kv_loader import LayerwiseLoader, load_sync
 from kvblend.store.base import ChunkKV, KVStore
@@ -115,8 +114,10 @@ class Engine:
         self.loaded = loaded
         self.store = store
         self.tokenizer = loaded.tokenizer
-        self.ops = TransformerOps(loaded.hf_model, rows_attention=_rows_attention_kernel(config.model, loaded))
-        self.attention_kernel = self.ops.rows_attention.name if self.ops.rows_attention is not None else "torch"
+        kernel, self.attention_kernel_reason = _rows_attention_kernel(config.model, loaded)
+        self.ops = TransformerOps(loaded.hf_model, rows_attention=kernel)
+        # "amx" / "avx512bf16" / "avx2" / "torch"; the reason is None when this CPU's best native build runs
+        self.attention_kernel = kernel.name if kernel is not None else "torch"
         self.fingerprint = loaded.fingerprint
         self.model_id = _model_id(config.model.model, loaded)
         self.max_context_len = self.ops.max_position_embeddings
@@ -236,7 +237,8 @@ class Engine:
         for attempt in range(2):
             stats = PrefillStats(mode=mode, recompute_ratio=ratio if mode == "blend" else (0.0 if mode == "reuse" else 1.0),
                                  selection=choice.selection_label if mode == "blend" else None,
-                                 prompt_tokens=num_tokens)
+                                 prompt_tokens=num_tokens, attention_kernel=self.attention_kernel,
+                                 attention_kernel_reason=self.attention_kernel_reason)
             plan, stored, to_store, loader = self._plan(segs, choice, request.namespace, stats, cache, k_work)
             t_loaded = time.perf_counter()
             try:
@@ -586,31 +588,38 @@ def _model_id(model_ref: str, loaded: LoadedModel) -> str:
 
 
 def _rows_attention_kernel(cfg, loaded: LoadedModel):
-    """The native attention kernel for the engine's dtype when ``cfg.attention_kernel`` allows it and it
-    applies (on the CPU, head_dim 64; bfloat16: AMX, else AVX512-BF16; float32: AVX2), else None (PyTorch
-    kernels). A kernel named in ``cfg.attention_kernel`` makes every reason it cannot run an error."""
+    """(kernel, reason): the native attention kernel for the engine's dtype and head size when
+    ``cfg.attention_kernel`` allows it and it applies (on the CPU; bfloat16: AMX, else AVX512-BF16; float32:
+    AVX2), else None (PyTorch kernels); reason: why it is not this CPU's best native build, or None. A kernel
+    named in ``cfg.attention_kernel`` makes every reason it cannot run an error. A build that fails to compile
+    or fails its self-check is logged as a warning: the engine then runs 2-4x slower than it should."""
     if cfg.attention_kernel == "torch":
-        return None
+        return None, "attention_kernel=torch was asked for"
     hf_cfg = loaded.hf_model.config
     head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
     dtype = getattr(torch, cfg.dtype)
     named = None if cfg.attention_kernel == "auto" else KERNELS_BY_NAME[cfg.attention_kernel]
-    reason = None
+    error = None
     if cfg.device != "cpu" or not kernels_for(dtype):
-        reason = f"the native kernels run bfloat16 or float32 on the CPU (this engine: {cfg.dtype} on {cfg.device})"
+        error = KernelUnavailable(f"the native kernels run bfloat16 or float32 on the CPU (this engine: {cfg.dtype} "
+                                  f"on {cfg.device})", "shape")
     elif named is not None and named.dtype != dtype:
-        reason = f"it runs {dtype_name(named.dtype)} only (this engine: {cfg.dtype})"
-    elif head_dim != HEAD_DIM:
-        reason = f"it handles head_dim {HEAD_DIM} only (this model: {head_dim})"
+        error = KernelUnavailable(f"it runs {dtype_name(named.dtype)} only (this engine: {cfg.dtype})", "shape")
     else:
         try:
-            return load_rows_attention(cfg.cache_dir, dtype, None if named is None else named.name)
+            kernel, passed_over = select_rows_attention(cfg.cache_dir, dtype, None if named is None else named.name,
+                                                        head_dim)
+            if passed_over is None:
+                return kernel, None
+            log.warning("attention uses the %s kernel, not a faster build: %s", kernel.name, passed_over)
+            return kernel, f"{kernel.name}, because {passed_over}"
         except KernelUnavailable as e:
-            reason = str(e)
+            error = e
     if named is not None:
-        raise ValueError(f"attention_kernel={cfg.attention_kernel}, but that kernel cannot be used: {reason}")
-    log.info("prefill attention uses PyTorch kernels: the native kernel %s", reason)
-    return None
+        raise ValueError(f"attention_kernel={cfg.attention_kernel}, but that kernel cannot be used: {error}")
+    level = logging.WARNING if error.is_defect or error.cause == "compiler" else logging.INFO
+    log.log(level, "attention uses PyTorch kernels: the native kernel %s", error)
+    return None, str(error)
 
 
 def create_engine(config: EngineConfig | None = None, store: KVStore | None = None) -> Engine:

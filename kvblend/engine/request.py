@@ -57,6 +57,8 @@ class PrefillStats:
     ttft_ms: float = 0.0
     load_ms: float = 0.0  # fetching + assembling stored KV
     compute_ms: float = 0.0
+    attention_kernel: str = ""  # the engine's attention: "amx", "avx512bf16", "avx2" or "torch"
+    attention_kernel_reason: str | None = None  # why not this CPU's best native build; None when it is
 
     @property
     def cached_tokens(self) -> int:
@@ -71,6 +73,7 @@ class PrefillStats:
             "chunks_hit": self.chunks_hit, "chunks_total": self.chunks_total,
             "ttft_ms": round(self.ttft_ms, 3), "load_ms": round(self.load_ms, 3),
             "compute_ms": round(self.compute_ms, 3),
+            "attention_kernel": self.attention_kernel, "attention_kernel_reason": self.attention_kernel_reason,
         }
 
 

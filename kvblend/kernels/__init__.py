@@ -16,9 +16,10 @@ blend's ~1,000-row projections poorly on two threads. Both bf16 builds also carr
 several.
 
 The shared object is built with the system C compiler into ``<cache_dir>/kernels/`` (keyed by a digest of
-the source and flags, written atomically) and needs no PyTorch headers. Where it cannot be used (no
-compiler, a CPU without the ISA, another head size) ``load_rows_attention`` says why and callers keep the
-PyTorch path.
+the source, flags and compiler version, written atomically) and needs no PyTorch headers. Each build is
+compiled once per head size (``HEAD_DIMS``: 64 for SmolLM2 / Qwen2.5-0.5B, 128 for Qwen2.5-1.5B and the
+7B-class models). Where it cannot be used (no compiler, a CPU without the ISA, another head size)
+``load_rows_attention`` says why (``KernelUnavailable.cause``) and callers keep the PyTorch path.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from kvblend.platform import cpu_flags
 
 log = logging.getLogger(__name__)
 
-HEAD_DIM = 64
+HEAD_DIMS = (64, 128)  # the head sizes each build is compiled for (-DKVB_HEAD_DIM)
+HEAD_DIM = HEAD_DIMS[0]  # the default build's
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,23 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class KernelUnavailable(RuntimeError):
-    """The native kernel cannot run here; the message says why (callers fall back to PyTorch)."""
+    """The native kernel cannot run here; the message says why (callers fall back to PyTorch).
+
+    ``cause`` says whose it is: "cpu" (the CPU lacks the ISA), "os" (the OS refused the CPU state),
+    "compiler" (no C compiler), "shape" (a head size or dtype no build takes) are the machine's or the
+    model's; "build" (the compiler failed) and "selfcheck" (the build crashed or gave wrong numbers) are
+    defects of the kernel or the toolchain, which tests must fail on and the engine warns about."""
+
+    ENVIRONMENT_CAUSES = ("cpu", "os", "compiler", "shape")
+
+    def __init__(self, message: str, cause: str = "build"):
+        super().__init__(message)
+        self.cause = cause
+
+    @property
+    def is_defect(self) -> bool:
+        """True for a build that fails or fails its self-check (not the machine lacking something)."""
+        return self.cause not in self.ENVIRONMENT_CAUSES
 
 
 @dataclass
@@ -100,6 +118,7 @@ class RowsAttention:
     lib: ctypes.CDLL
     path: Path
     spec: KernelSpec
+    head_dim: int = HEAD_DIM  # the one head size this build attends (KVB_HEAD_DIM)
 
     @property
     def name(self) -> str:
@@ -126,6 +145,7 @@ class RowsAttention:
         the rows and query heads, is added to it."""
         num_rows, num_heads, d = q.shape
         num_kv_heads, num_keys, _ = k.shape
+        self._check_head_dim(d)
         for t, name in ((q, "q"), (k, "k"), (v, "v"), (k_rot, "k_rot"), (out, "out")):
             if t is not None:
                 self._check_tensor(t, name)
@@ -221,6 +241,7 @@ class RowsAttention:
         [Hkv, n, d] with k rotated (dense rows; heads may be strided) -> [1, Hq * d]."""
         num_heads, d = q.shape
         num_kv_heads, num_keys, _ = k.shape
+        self._check_head_dim(d)
         for t, name in ((q, "q"), (k, "k"), (v, "v")):
             self._check_tensor(t, name, dense_rows=name != "q")
         if q.stride(-1) != 1 or v.shape != k.shape or k.shape[2] != d or num_heads % num_kv_heads:
@@ -295,6 +316,11 @@ class RowsAttention:
         if num_rows is not None and t.shape[0] != num_rows:
             raise ValueError(f"{name} has {t.shape[0]} rows, x {num_rows}")
 
+    def _check_head_dim(self, d: int) -> None:
+        if d != self.head_dim:
+            raise ValueError(f"this {self.name} build attends head_dim {self.head_dim}, got {d} "
+                             f"(load_rows_attention(..., head_dim={d}) builds that one)")
+
     def _check_tensor(self, t: torch.Tensor, name: str, dense_rows: bool = True) -> None:
         if t.dtype != self.dtype or t.device.type != "cpu":
             raise ValueError(f"{name} must be a {dtype_name(self.dtype)} CPU tensor "
@@ -325,35 +351,53 @@ class PackedLinear:
 
 
 _lock = threading.Lock()
-_loaded: dict[tuple[Path, str], RowsAttention | KernelUnavailable] = {}
+_loaded: dict[tuple[Path, str, int], RowsAttention | KernelUnavailable] = {}
 
 
-def load_rows_attention(cache_dir: Path, dtype: torch.dtype = torch.bfloat16, name: str | None = None) -> RowsAttention:
-    """The compiled kernel for ``dtype`` (bfloat16: AMX, else AVX512-BF16; float32: AVX2), or the build
-    ``name``, built once per source/flags into ``cache_dir``/kernels, or ``KernelUnavailable`` with the
-    reason. Builds are tried most preferred first, so an AMX build that fails its self-check leaves
-    AVX512-BF16. Thread-safe; cached per process."""
+def load_rows_attention(cache_dir: Path, dtype: torch.dtype = torch.bfloat16, name: str | None = None,
+                        head_dim: int = HEAD_DIM) -> RowsAttention:
+    """The compiled kernel for ``dtype`` (bfloat16: AMX, else AVX512-BF16; float32: AVX2) and ``head_dim``,
+    or the build ``name``, built once per source/flags/compiler into ``cache_dir``/kernels, or
+    ``KernelUnavailable`` with the reason. Builds are tried most preferred first, so an AMX build that fails
+    its self-check leaves AVX512-BF16 (``select_rows_attention`` also says why). Thread-safe; cached per
+    process."""
+    return select_rows_attention(cache_dir, dtype, name, head_dim)[0]
+
+
+def select_rows_attention(cache_dir: Path, dtype: torch.dtype = torch.bfloat16, name: str | None = None,
+                          head_dim: int = HEAD_DIM) -> tuple[RowsAttention, KernelUnavailable | None]:
+    """As ``load_rows_attention``, and why a more preferred build was passed over: the first such build's
+    ``KernelUnavailable`` when it is a defect (it failed to build or its self-check), else None (the kernel
+    is this CPU's best, or the better builds need features this CPU lacks)."""
     specs = kernels_for(dtype)
     if name is not None:
         specs = tuple(spec for spec in specs if spec.name == name)
     if not specs:
         which = f"the {name} kernel does not run" if name else "no native kernel runs"
-        raise KernelUnavailable(f"{which} {dtype_name(dtype)} (amx and avx512bf16 run bfloat16, avx2 float32)")
-    first_error = None
+        raise KernelUnavailable(f"{which} {dtype_name(dtype)} (amx and avx512bf16 run bfloat16, avx2 float32)",
+                                "shape")
+    if head_dim not in HEAD_DIMS:
+        raise KernelUnavailable(f"it handles head_dim {' or '.join(map(str, HEAD_DIMS))} only (this model: "
+                                f"{head_dim})", "shape")
+    first_error = passed_over = None
     for spec in specs:
         try:
-            return _load_cached(spec, Path(cache_dir))
+            return _load_cached(spec, Path(cache_dir), head_dim), passed_over
         except KernelUnavailable as e:
-            first_error = first_error or e  # the most preferred build's reason is the one to report
-    raise first_error
+            first_error = first_error or e
+            if passed_over is None and e.is_defect:
+                passed_over = e
+    # the first broken build's reason, else the most preferred build's (a CPU without AMX must not hide a
+    # broken AVX512-BF16 build behind "this CPU lacks amx_tile")
+    raise passed_over or first_error
 
 
-def _load_cached(spec: KernelSpec, cache_dir: Path) -> RowsAttention:
+def _load_cached(spec: KernelSpec, cache_dir: Path, head_dim: int = HEAD_DIM) -> RowsAttention:
     with _lock:
-        key = (cache_dir, spec.name)
+        key = (cache_dir, spec.name, head_dim)
         if key not in _loaded:
             try:
-                _loaded[key] = _build_and_load(spec, cache_dir / "kernels")
+                _loaded[key] = _build_and_load(spec, cache_dir / "kernels", head_dim)
             except KernelUnavailable as e:
                 _loaded[key] = e
         result = _loaded[key]
@@ -362,58 +406,89 @@ def _load_cached(spec: KernelSpec, cache_dir: Path) -> RowsAttention:
     return result
 
 
-def _build_and_load(spec: KernelSpec, out_dir: Path) -> RowsAttention:
+def build_flags(spec: KernelSpec, head_dim: int = HEAD_DIM) -> tuple[str, ...]:
+    """The compiler flags of ``spec`` for ``head_dim`` (the 64 build's are the spec's own)."""
+    return spec.cflags if head_dim == HEAD_DIM else (*spec.cflags, f"-DKVB_HEAD_DIM={head_dim}")
+
+
+_compiler_versions: dict[str, str] = {}
+
+
+def compiler_version(cc: str) -> str:
+    """The first line of ``cc --version`` ("gcc (Debian 12.2.0-14) 12.2.0"): builds and their failure
+    records are keyed by it, so a fixed or upgraded compiler at the same path builds afresh."""
+    if cc not in _compiler_versions:
+        try:
+            proc = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+            lines = proc.stdout.strip().splitlines()
+            _compiler_versions[cc] = lines[0] if proc.returncode == 0 and lines else "unknown"
+        except (OSError, subprocess.TimeoutExpired):
+            _compiler_versions[cc] = "unknown"
+    return _compiler_versions[cc]
+
+
+def _build_and_load(spec: KernelSpec, out_dir: Path, head_dim: int = HEAD_DIM) -> RowsAttention:
     flags = cpu_flags()
     missing = [f for f in spec.cpu_flags if f not in flags]
     if missing:
-        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)} (needed by the {spec.name} kernel)")
+        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)} (needed by the {spec.name} kernel)", "cpu")
     cc = shutil.which(env.read("CC")) or shutil.which("cc")
     if cc is None:
-        raise KernelUnavailable(f"no C compiler (gcc) on PATH to build the {spec.name} kernel")
-    source_path = Path(__file__).with_name(spec.source)
-    # the headers it includes are part of what is built
-    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
-    digest = hashlib.sha256(source + " ".join(spec.cflags).encode() + cc.encode()).hexdigest()[:16]
-    path = out_dir / f"{spec.name}-{digest}.so"
+        raise KernelUnavailable(f"no C compiler (gcc) on PATH to build the {spec.name} kernel", "compiler")
+    path = build_path(spec, out_dir, head_dim, cc)
     failed = path.with_suffix(".failed")  # a build that failed its self-check is not retried
     if failed.is_file():
-        raise KernelUnavailable(failed.read_text().strip())
+        raise KernelUnavailable(failed.read_text().strip(), "selfcheck")
     if not path.is_file():
-        _build_checked(spec, cc, source_path, path, failed)
-    return open_library(path, spec)
+        _build_checked(spec, cc, Path(__file__).with_name(spec.source), path, failed, head_dim)
+    return open_library(path, spec, head_dim)
 
 
-def _build_checked(spec: KernelSpec, cc: str, source_path: Path, path: Path, failed: Path) -> None:
+def build_path(spec: KernelSpec, out_dir: Path, head_dim: int, cc: str) -> Path:
+    """Where the build of ``spec`` for ``head_dim`` by compiler ``cc`` lives (its failure record beside it,
+    ``.failed``): keyed by the source and the headers it includes, the flags, the compiler's path and its
+    version, so an edited source or another compiler builds (and checks) afresh."""
+    source_path = Path(__file__).with_name(spec.source)
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
+    key = b"\0".join([source, " ".join(build_flags(spec, head_dim)).encode(), cc.encode(),
+                       compiler_version(cc).encode()])
+    return out_dir / f"{spec.name}-d{head_dim}-{hashlib.sha256(key).hexdigest()[:16]}.so"
+
+
+def _build_checked(spec: KernelSpec, cc: str, source_path: Path, path: Path, failed: Path,
+                   head_dim: int = HEAD_DIM) -> None:
     """Compile into a temp file, self-check it in a subprocess, then move it into place atomically
     (concurrent builders race harmlessly). A failed self-check is recorded in ``failed``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *spec.cflags, str(source_path), "-o", tmp, "-lm"], capture_output=True,
-                              text=True)
+        proc = subprocess.run([cc, *build_flags(spec, head_dim), str(source_path), "-o", tmp, "-lm"],
+                              capture_output=True, text=True)
         if proc.returncode != 0:
-            raise KernelUnavailable(f"building the {spec.name} kernel failed: {proc.stderr.strip()[-500:]}")
-        problem, about_the_build = _self_check(tmp, spec)
+            raise KernelUnavailable(f"building the {spec.name} kernel (head_dim {head_dim}) with "
+                                    f"{compiler_version(cc)} failed: {proc.stderr.strip()[-500:]}", "build")
+        problem, about_the_build = _self_check(tmp, spec, head_dim)
         if problem is not None:
-            reason = f"the {spec.name} kernel built by {cc} failed its self-check: {problem}"
+            reason = (f"the {spec.name} kernel (head_dim {head_dim}) built by {cc} ({compiler_version(cc)}) "
+                      f"failed its self-check: {problem}")
             if about_the_build:  # a crash or wrong numbers: not retried; anything else is, next process
                 failed.write_text(reason + "\n")
-            raise KernelUnavailable(reason)
+            raise KernelUnavailable(reason, "selfcheck")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def _self_check(lib_path: str, spec: KernelSpec) -> tuple[str | None, bool]:
+def _self_check(lib_path: str, spec: KernelSpec, head_dim: int = HEAD_DIM) -> tuple[str | None, bool]:
     """Run kvblend.kernels.selfcheck on a new build in a subprocess: a miscompiled kernel may crash, and
     that must not take this process down. Returns (None, False) when it passed, else (what went wrong,
     whether that is the build's fault: it crashed or gave wrong numbers)."""
     package_root = str(Path(__file__).resolve().parents[2])  # importable even when not pip-installed
     try:
-        proc = subprocess.run([sys.executable, "-m", "kvblend.kernels.selfcheck", lib_path, spec.name],
-                              capture_output=True, text=True, timeout=300,
+        proc = subprocess.run([sys.executable, "-m", "kvblend.kernels.selfcheck", lib_path, spec.name,
+                               str(head_dim)], capture_output=True, text=True, timeout=300,
                               env=env.child_environ(prepend_path=package_root))
     except subprocess.TimeoutExpired:
         return "it did not finish within 300 s", False
@@ -425,13 +500,15 @@ def _self_check(lib_path: str, spec: KernelSpec) -> tuple[str | None, bool]:
     return last_line, proc.returncode == EXIT_MISMATCH
 
 
-def open_library(path: Path, spec: KernelSpec) -> RowsAttention:
-    """Load a built kernel and set up its CPU state (AMX asks the OS for tile state)."""
+def open_library(path: Path, spec: KernelSpec, head_dim: int = HEAD_DIM) -> RowsAttention:
+    """Load a built kernel (compiled for ``head_dim``) and set up its CPU state (AMX asks the OS for tile
+    state)."""
     lib = ctypes.CDLL(str(path))
     _declare(lib, spec.init_symbol)
     if spec.init_symbol is not None and getattr(lib, spec.init_symbol)() != 0:
-        raise KernelUnavailable(f"the OS refused the {spec.name} kernel's CPU state to this process (arch_prctl)")
-    return RowsAttention(lib, Path(path), spec)
+        raise KernelUnavailable(f"the OS refused the {spec.name} kernel's CPU state to this process (arch_prctl)",
+                                "os")
+    return RowsAttention(lib, Path(path), spec, head_dim)
 
 
 def _declare(lib: ctypes.CDLL, init_symbol: str | None) -> None:

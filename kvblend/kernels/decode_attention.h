@@ -14,6 +14,8 @@
 #define DEC_CHUNK 256
 #define DEC_MAX_REP 16 /* query heads per KV head */
 #define DEC_PART (2 + HEAD_DIM) /* a chunk's max, sum and output, per query head */
+#define DEC_QV (HEAD_DIM / 32)  /* bf16 vectors of a row */
+#define DEC_OV 4                /* fp32 vectors of output a pass over V keeps per query head */
 
 typedef struct {
     const bf16 *q;         /* q[hq, :] at q + hq * q_head_stride, rotated */
@@ -28,18 +30,21 @@ typedef struct {
 
 /* Scores of keys [j0, j0 + n) for the item's query heads into s[r * DEC_CHUNK + j - j0], in log2 units. */
 static void decode_scores(const decode_job *jb, int h, long j0, long n, float *s) {
-    __m512bh q0[DEC_MAX_REP], q1[DEC_MAX_REP];
+    __m512bh qv[DEC_MAX_REP][DEC_QV];
     for (int r = 0; r < jb->rep; r++) {
         const bf16 *q = jb->q + (h * jb->rep + r) * jb->q_head_stride;
-        q0[r] = (__m512bh)_mm512_loadu_si512(q);
-        q1[r] = (__m512bh)_mm512_loadu_si512(q + 32);
+        for (int i = 0; i < DEC_QV; i++)
+            qv[r][i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
     }
     const bf16 *k = jb->k + h * jb->k_head_stride + j0 * HEAD_DIM;
     for (long j = 0; j < n; j++, k += HEAD_DIM) {
-        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k), k1 = (__m512bh)_mm512_loadu_si512(k + 32);
+        __m512bh kv[DEC_QV];
+        for (int i = 0; i < DEC_QV; i++)
+            kv[i] = (__m512bh)_mm512_loadu_si512(k + 32 * i);
         for (int r = 0; r < jb->rep; r++) {
-            __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), k0, q0[r]);
-            acc = _mm512_dpbf16_ps(acc, k1, q1[r]);
+            __m512 acc = _mm512_setzero_ps();
+            for (int i = 0; i < DEC_QV; i++)
+                acc = _mm512_dpbf16_ps(acc, kv[i], qv[r][i]);
             s[r * DEC_CHUNK + j] = _mm512_reduce_add_ps(acc) * jb->scale_log2;
         }
     }
@@ -74,24 +79,28 @@ static void decode_item(void *job, long item) {
     decode_scores(jb, h, j0, n, s);
     for (int r = 0; r < jb->rep; r++)
         part[r * DEC_PART + 1] = decode_softmax(s + r * DEC_CHUNK, n, part + r * DEC_PART);
-    __m512 acc[DEC_MAX_REP][4];
-    for (int r = 0; r < jb->rep; r++)
-        for (int i = 0; i < 4; i++)
-            acc[r][i] = _mm512_setzero_ps();
-    const bf16 *v = jb->v + h * jb->v_head_stride + j0 * HEAD_DIM;
-    for (long j = 0; j < n; j++, v += HEAD_DIM) {
-        __m512 vf[4];
-        for (int i = 0; i < 4; i++)
-            vf[i] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(v + 16 * i)));
-        for (int r = 0; r < jb->rep; r++) {
-            const __m512 p = _mm512_set1_ps(s[r * DEC_CHUNK + j]);
-            for (int i = 0; i < 4; i++)
-                acc[r][i] = _mm512_fmadd_ps(p, vf[i], acc[r][i]);
+    /* O += P V, 64 columns at a time: rep x 4 accumulators stay in registers (all 128 columns of 8 query
+     * heads would not) */
+    for (int c0 = 0; c0 < HEAD_DIM; c0 += 16 * DEC_OV) {
+        __m512 acc[DEC_MAX_REP][DEC_OV];
+        for (int r = 0; r < jb->rep; r++)
+            for (int i = 0; i < DEC_OV; i++)
+                acc[r][i] = _mm512_setzero_ps();
+        const bf16 *v = jb->v + h * jb->v_head_stride + j0 * HEAD_DIM + c0;
+        for (long j = 0; j < n; j++, v += HEAD_DIM) {
+            __m512 vf[DEC_OV];
+            for (int i = 0; i < DEC_OV; i++)
+                vf[i] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(v + 16 * i)));
+            for (int r = 0; r < jb->rep; r++) {
+                const __m512 p = _mm512_set1_ps(s[r * DEC_CHUNK + j]);
+                for (int i = 0; i < DEC_OV; i++)
+                    acc[r][i] = _mm512_fmadd_ps(p, vf[i], acc[r][i]);
+            }
         }
+        for (int r = 0; r < jb->rep; r++)
+            for (int i = 0; i < DEC_OV; i++)
+                _mm512_storeu_ps(part + r * DEC_PART + 2 + c0 + 16 * i, acc[r][i]);
     }
-    for (int r = 0; r < jb->rep; r++)
-        for (int i = 0; i < 4; i++)
-            _mm512_storeu_ps(part + r * DEC_PART + 2 + 16 * i, acc[r][i]);
 }
 
 /* Chunks' (max, sum, output) of one query head -> its normalised output, rounded once to bf16. */
@@ -99,17 +108,19 @@ static void decode_merge(const float *part, long num_chunks, long chunk_stride, 
     float mx = -INFINITY;
     for (long c = 0; c < num_chunks; c++)
         mx = part[c * chunk_stride] > mx ? part[c * chunk_stride] : mx;
-    __m512 o[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 o[HEAD_DIM / 16];
+    for (int i = 0; i < HEAD_DIM / 16; i++)
+        o[i] = _mm512_setzero_ps();
     float total = 0.0f;
     for (long c = 0; c < num_chunks; c++) {
         const float *p = part + c * chunk_stride;
         const float w = exp2f(p[0] - mx);
         total += w * p[1];
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < HEAD_DIM / 16; i++)
             o[i] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(p + 2 + 16 * i), o[i]);
     }
     const __m512 inv = _mm512_set1_ps(1.0f / total);
-    for (int i = 0; i < 4; i += 2)
+    for (int i = 0; i < HEAD_DIM / 16; i += 2)
         _mm512_storeu_si512(out + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(o[i + 1], inv),
                                                                         _mm512_mul_ps(o[i], inv)));
 }

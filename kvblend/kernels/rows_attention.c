@@ -41,7 +41,17 @@ typedef uint16_t bf16;
 #define ROWS 16   /* query rows per tile (AMX tile height) */
 #define KB 32     /* keys per P tile (the bf16 dot product depth) */
 #define STEP 128  /* keys per softmax step: 4 P tiles */
-#define HEAD_DIM 64 /* O lives in 4 tiles of 16 fp32 columns */
+/* Built once per head size (-DKVB_HEAD_DIM=128 for Llama-3 / Mistral / Qwen2.5-1.5B and up). At 64, O lives in
+ * 4 tiles of 16 fp32 columns for a whole tile of rows; at 128 it would need 8 (every tile there is), so it
+ * lives in memory and is loaded into tiles 4..7 one half at a time per step of keys. */
+#ifndef KVB_HEAD_DIM
+#define KVB_HEAD_DIM 64
+#endif
+#define HEAD_DIM KVB_HEAD_DIM
+#if HEAD_DIM != 64 && HEAD_DIM != 128
+#error "KVB_HEAD_DIM must be 64 or 128"
+#endif
+#define O_IN_TILES (HEAD_DIM == 64)
 #define HALF (HEAD_DIM / 2)
 #define PAIRS (HEAD_DIM / 2)
 #define RESCALE_LOG2 8.0f
@@ -111,7 +121,7 @@ typedef struct tile_kept {
     int valid; /* rows past it are padding */
 } tile_kept;
 
-/* dst[0:64] = RoPE(src[0:64]) with x1' = x1 c - x2 s, x2' = x2 c + x1 s (HF rotate_half convention),
+/* dst[0:HEAD_DIM] = RoPE(src[0:HEAD_DIM]) with x1' = x1 c - x2 s, x2' = x2 c + x1 s (HF rotate_half convention),
  * in fp32, rounded once to bf16. c, s: NULL copies. */
 static inline void rotate_row(const bf16 *src, const float *c, const float *s, bf16 *dst) {
     if (!c) {
@@ -212,7 +222,8 @@ static void scale_rows(float *o, const float *alpha) {
 }
 
 #ifndef KVB_NO_AMX
-/* O accumulator tiles 4..7 (16 fp32 columns each) <-> obuf [16][HEAD_DIM]; tile numbers must be constants. */
+/* O accumulator tiles 4..7 (16 fp32 columns each) <-> obuf [16][HEAD_DIM] columns 0..63; tile numbers must
+ * be constants. */
 static inline void store_o(float *obuf) {
     _tile_stored(4, obuf, HEAD_DIM * 4);
     _tile_stored(5, obuf + 16, HEAD_DIM * 4);
@@ -227,6 +238,7 @@ static inline void load_o(const float *obuf) {
     tile_loadd(7, obuf + 48, HEAD_DIM * 4);
 }
 
+#if O_IN_TILES
 /* O lives in tiles 4..7 for the whole tile of rows: zeroed at its start, stored to st->o at its end. */
 static inline void o_begin(tile_state *st) {
     (void)st;
@@ -243,6 +255,14 @@ static void o_rescale(tile_state *st) {
     scale_rows(st->o, st->alpha);
     load_o(st->o);
 }
+#else
+/* O lives in st->o; accumulate_pv loads and stores one 64-column half at a time. */
+static inline void o_begin(tile_state *st) { memset(st->o, 0, sizeof st->o); }
+
+static inline void o_end(tile_state *st) { (void)st; }
+
+static void o_rescale(tile_state *st) { scale_rows(st->o, st->alpha); }
+#endif
 
 /* S[:, 0 : 32 * num_sub] = Q K^T for the 32-key blocks blk0 .. blk0 + num_sub - 1. */
 static inline void scores(const tile_state *st, const uint32_t *kp, long blk0, int num_sub, float *s) {
@@ -250,34 +270,39 @@ static inline void scores(const tile_state *st, const uint32_t *kp, long blk0, i
         const uint32_t *kb = kp + (2 * (blk0 + sb)) * PAIRS * 16;
         _tile_zero(2);
         _tile_zero(3);
-        tile_loadd(0, st->q, HEAD_DIM * 2);
-        tile_loadd(1, kb, 64);
-        _tile_dpbf16ps(2, 0, 1);
-        tile_loadd(1, kb + PAIRS * 16, 64);
-        _tile_dpbf16ps(3, 0, 1);
-        tile_loadd(0, st->q + HALF, HEAD_DIM * 2);
-        tile_loadd(1, kb + 16 * 16, 64);
-        _tile_dpbf16ps(2, 0, 1);
-        tile_loadd(1, kb + PAIRS * 16 + 16 * 16, 64);
-        _tile_dpbf16ps(3, 0, 1);
+        for (int c = 0; c < HEAD_DIM / 32; c++) { /* 32 dims (16 pairs) of Q and of each 16-key block */
+            tile_loadd(0, st->q + 32 * c, HEAD_DIM * 2);
+            tile_loadd(1, kb + c * 16 * 16, 64);
+            _tile_dpbf16ps(2, 0, 1);
+            tile_loadd(1, kb + PAIRS * 16 + c * 16 * 16, 64);
+            _tile_dpbf16ps(3, 0, 1);
+        }
         _tile_stored(2, s + sb * KB, STEP * 4);
         _tile_stored(3, s + sb * KB + 16, STEP * 4);
     }
 }
 
 /* O += P V for the same blocks (P in st->p). */
-static inline void accumulate_pv(const tile_state *st, const bf16 *vp, long blk0, int num_sub) {
-    for (int sb = 0; sb < num_sub; sb++) {
-        const bf16 *vb = vp + (blk0 + sb) * KB * HEAD_DIM;
-        tile_loadd(0, st->p + sb * KB, STEP * 2);
-        tile_loadd(1, vb, HEAD_DIM * 4);
-        _tile_dpbf16ps(4, 0, 1);
-        tile_loadd(2, vb + 32, HEAD_DIM * 4);
-        _tile_dpbf16ps(5, 0, 2);
-        tile_loadd(3, vb + 64, HEAD_DIM * 4);
-        _tile_dpbf16ps(6, 0, 3);
-        tile_loadd(1, vb + 96, HEAD_DIM * 4);
-        _tile_dpbf16ps(7, 0, 1);
+static inline void accumulate_pv(tile_state *st, const bf16 *vp, long blk0, int num_sub) {
+    for (int half = 0; half < HEAD_DIM / 64; half++) { /* 64 columns of O (4 tiles) at a time */
+#if !O_IN_TILES
+        load_o(st->o + 64 * half);
+#endif
+        for (int sb = 0; sb < num_sub; sb++) {
+            const bf16 *vb = vp + (blk0 + sb) * KB * HEAD_DIM + 128 * half;
+            tile_loadd(0, st->p + sb * KB, STEP * 2);
+            tile_loadd(1, vb, HEAD_DIM * 4);
+            _tile_dpbf16ps(4, 0, 1);
+            tile_loadd(2, vb + 32, HEAD_DIM * 4);
+            _tile_dpbf16ps(5, 0, 2);
+            tile_loadd(3, vb + 64, HEAD_DIM * 4);
+            _tile_dpbf16ps(6, 0, 3);
+            tile_loadd(1, vb + 96, HEAD_DIM * 4);
+            _tile_dpbf16ps(7, 0, 1);
+        }
+#if !O_IN_TILES
+        store_o(st->o + 64 * half);
+#endif
     }
 }
 

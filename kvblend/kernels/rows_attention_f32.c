@@ -25,7 +25,13 @@
 #define KB 16       /* keys per S micro-kernel call (two 8-key packed blocks) */
 #define STEP 128    /* keys per softmax step */
 #define RESCALE_LOG2 8.0f
-#define HEAD_DIM 64
+#ifndef KVB_HEAD_DIM /* built once per head size: -DKVB_HEAD_DIM=128 for 7B-class models */
+#define KVB_HEAD_DIM 64
+#endif
+#define HEAD_DIM KVB_HEAD_DIM
+#if HEAD_DIM != 64 && HEAD_DIM != 128
+#error "KVB_HEAD_DIM must be 64 or 128"
+#endif
 #define HALF (HEAD_DIM / 2)
 
 typedef struct {
@@ -48,7 +54,7 @@ typedef struct {
     long tiles_per_head;
 } job_t;
 
-/* dst[0:64] = RoPE(src[0:64]) * mul with x1' = x1 c - x2 s, x2' = x2 c + x1 s (HF rotate_half). */
+/* dst[0:HEAD_DIM] = RoPE(src[0:HEAD_DIM]) * mul with x1' = x1 c - x2 s, x2' = x2 c + x1 s (HF rotate_half). */
 static inline void rotate_row(const float *src, const float *c, const float *s, float mul, float *dst) {
     const __m256 m = _mm256_set1_ps(mul);
     if (!c) {

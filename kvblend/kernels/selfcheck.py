@@ -2,7 +2,7 @@
 
 A miscompiled native kernel does not raise, it kills the process (gcc 12 once dropped the AMX tile
 config's stores at -O3 and every prefill died with SIGSEGV) or returns wrong numbers. So the loader runs
-``python -m kvblend.kernels.selfcheck <lib.so> <kernel name>`` once per build: exit 0 means the library
+``python -m kvblend.kernels.selfcheck <lib.so> <kernel name> [head_dim]`` once per build: exit 0 means the library
 attended scattered rows (GQA, RoPE, a partial last tile, 2 threads) and (the bf16 builds) a decoding row like an
 fp32 PyTorch reference, and (the AMX build) projected rows like fp32 math rounded to bf16.
 """
@@ -40,9 +40,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def check(kernel, num_keys: int = 300, num_rows: int = 37, num_kv_heads: int = 2, rep: int = 3) -> float:
-    """Max abs difference of ``kernel`` (a RowsAttention) from the reference; raises if above tolerance."""
+    """Max abs difference of ``kernel`` (a RowsAttention, at its head_dim) from the reference; raises if
+    above tolerance."""
     gen = torch.Generator().manual_seed(0)
-    d = 64
+    d = kernel.head_dim
     k = torch.randn(num_kv_heads, num_keys, d, generator=gen).to(kernel.dtype)  # [Hkv, T, d]
     v = torch.randn(num_kv_heads, num_keys, d, generator=gen).to(kernel.dtype)
     q = torch.randn(num_rows, num_kv_heads * rep, d, generator=gen).to(kernel.dtype)  # [A, Hq, d]
@@ -116,7 +117,7 @@ def check_decode(kernel, num_keys: int = 600, num_kv_heads: int = 2, rep: int = 
     if not kernel.has_decode:
         return 0.0
     gen = torch.Generator().manual_seed(2)
-    d = 64
+    d = kernel.head_dim
     cache_k = torch.randn(num_kv_heads, num_keys + 9, d, generator=gen).to(kernel.dtype)  # [Hkv, capacity, d]
     cache_v = torch.randn(num_kv_heads, num_keys + 9, d, generator=gen).to(kernel.dtype)
     q = torch.randn(num_kv_heads * rep, 2, d, generator=gen).to(kernel.dtype)[:, 1]  # [Hq, d], heads strided
@@ -133,9 +134,11 @@ def check_decode(kernel, num_keys: int = 600, num_kv_heads: int = 2, rep: int = 
 
 def main(argv: list[str]) -> int:
     lib_path, name = Path(argv[0]), argv[1]
-    kernel = open_library(lib_path, KERNELS_BY_NAME[name])
+    head_dim = int(argv[2]) if len(argv) > 2 else 64
+    kernel = open_library(lib_path, KERNELS_BY_NAME[name], head_dim)
     try:
         check(kernel)
+        check(kernel, num_keys=200, num_rows=40, num_kv_heads=1, rep=8)  # the widest GQA the kernels take
         check_linear(kernel)
         check_decode(kernel)
     except AssertionError as e:

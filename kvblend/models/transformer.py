@@ -123,11 +123,11 @@ class TransformerOps:
 
     def decode_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One decoding row: q [Hq, d] over every key of k, v [Hkv, n, d] (q and k rotated) -> [1, Hq * d].
-        The native kernel reads the cache in place where it takes the tensors (a bf16 build, head_dim 64,
+        The native kernel reads the cache in place where it takes the tensors (a bf16 build of this head size,
         dense rows), else SDPA."""
-        kernel = self.rows_attention
+        kernel, d = self.rows_attention, self.head_dim
         if kernel is not None and kernel.has_decode and q.dtype == kernel.dtype and q.device.type == "cpu" and \
-                self.head_dim == 64 and q.stride(-1) == 1 and all(t.stride(-1) == 1 and t.stride(-2) == 64 for t in (k, v)):
+                kernel.head_dim == d and q.stride(-1) == 1 and all(t.stride(-1) == 1 and t.stride(-2) == d for t in (k, v)):
             return kernel.decode_attention(q, k, v, self.scaling, torch.get_num_threads())
         return self.attend(q[:, None], k, v, mask=None, causal=False)
 

