@@ -120,6 +120,7 @@ class Engine:
         self.fingerprint = loaded.fingerprint
         self.model_id = _model_id(config.model.model, loaded)
         self.max_context_len = self.ops.max_position_embeddings
+        self.vocab_size = int(self.ops.embed_tokens.weight.shape[0])  # token ids must be below this
         # Chunks are prefilled behind this context; it is part of every chunk key.
         ctx_text = config.chunk_context
         if ctx_text is None:

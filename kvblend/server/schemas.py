@@ -63,7 +63,7 @@ class _Sampling(_Request):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # torch.Generator's range
     n: int | None = Field(default=None, ge=1, le=128)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
