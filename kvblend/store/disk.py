@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-from kvblend.store.base import ChunkKV, KVStore
+from kvblend.store.base import ChunkKV, DiscardedKeys, KVStore
 from kvblend.store.lru import LRUIndex
 from kvblend.store.reader import BlobReader, KVReader
 from kvblend.store.serializer import CorruptKVError, deserialize, read_header, serialize_parts
@@ -42,6 +42,7 @@ class DiskStore(KVStore):
         self._lru = LRUIndex(max_bytes)
         self._lock = threading.Lock()  # guards the index and every unlink/rename, so both stay in step
         self._stats = TierStats()
+        self._discarded = DiscardedKeys()
         self._scan()
 
     # -- paths -----------------------------------------------------------------------------------
@@ -81,6 +82,7 @@ class DiskStore(KVStore):
 
     def _discard_corrupt(self, key: str, why: str) -> None:
         log.warning("disk KV entry %s is corrupt (%s); deleted", key[:24], why)
+        self._discarded.add(key)
         with self._lock:
             self._lru.remove(key)
             _unlink(self.path(key))
@@ -124,6 +126,9 @@ class DiskStore(KVStore):
 
     def contains(self, key: str) -> bool:
         return self.path(key).exists()
+
+    def was_discarded(self, key: str) -> bool:
+        return key in self._discarded
 
     def open(self, key: str) -> KVReader | None:
         """Reader doing one ``pread`` per layer on a file descriptor held open, so a concurrent
@@ -179,6 +184,7 @@ class DiskStore(KVStore):
             _unlink(tmp)
             self._io_error("write", key, e)
             return
+        self._discarded.forget(key)
         self._stats.inc("writes")
 
     def _note_existing(self, key: str, size: int) -> None:
