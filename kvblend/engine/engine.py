@@ -163,6 +163,16 @@ class Engine:
     def chunk_key(self, chunk_ids: list[int], namespace: str = "") -> str:
         return make_chunk_key(self.fingerprint, self.chunk_context_ids, chunk_ids, namespace)
 
+    def max_chunk_tokens(self) -> int | None:
+        """The longest chunk whose KV the store can keep (None: no store limit), so a caller can refuse
+        one that would be computed and then silently dropped."""
+        limit = getattr(self.store, "max_entry_bytes", lambda: None)()
+        if limit is None:
+            return None
+        ops = self.ops  # K and V: [layers, kv_heads, L, d] each
+        per_token = 2 * ops.num_layers * ops.num_kv_heads * ops.head_dim * ops.embed_tokens.weight.element_size()
+        return int(limit) // per_token
+
     def precompute(self, chunks: list[list[int]], namespace: str = "") -> list[dict]:
         """Compute and store the KV of each chunk not already stored. Returns one dict per chunk."""
         out = []

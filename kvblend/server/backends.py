@@ -21,7 +21,7 @@ from kvblend.config import ModelEntry, ServerConfig, StoreConfig, parse_selectio
 from kvblend.engine.request import GenerationRequest, GenerationResult, PrefillStats, SamplingParams, TokenEvent
 from kvblend.engine.scheduler import Failed, QueueFullError, Scheduler, SchedulerClosedError, Started
 from kvblend.server import errors
-from kvblend.server.limits import check_num_documents, check_token_ids
+from kvblend.server.limits import check_chunk_sizes, check_num_documents, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +256,7 @@ class LocalBackend:
                 lambda: [engine.segments(documents=[d], question="").chunk_ids[0] for d in documents])
         except Exception as e:
             raise map_engine_error(e) from None
+        check_chunk_sizes(ids, getattr(engine, "max_chunk_tokens", lambda: None)())
         out: list[dict] = []
         step = self.config.precompute_slice
         for i in range(0, len(ids), step):

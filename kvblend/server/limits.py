@@ -172,3 +172,16 @@ def check_num_documents(num: int, limit: int, param: str = "documents") -> None:
         raise errors.invalid_request(f"Too many documents/chunks in one request: {num}; this server accepts at "
                                      f"most {limit} (max_documents). Split the request.", param,
                                      "too_many_documents")
+
+
+def check_chunk_sizes(chunk_ids: list[list[int]], max_tokens: int | None) -> None:
+    """400 for a document whose KV no store tier could keep: it would be computed and dropped on every
+    call (``cached: false`` forever) with nothing saying why."""
+    if max_tokens is None:
+        return
+    for i, ids in enumerate(chunk_ids):
+        if len(ids) > max_tokens:
+            raise errors.invalid_request(
+                f"documents[{i}] is {len(ids)} tokens; its KV would exceed every store tier's budget (at most "
+                f"{max_tokens} tokens fit). Split it, or raise store.memory_bytes / store.disk_bytes.",
+                f"documents[{i}]", "chunk_too_large")

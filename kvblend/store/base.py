@@ -70,6 +70,10 @@ class KVStore(ABC):
         kv = self.get(key)
         return TensorReader(kv) if kv is not None else None
 
+    def max_entry_bytes(self) -> int | None:
+        """The largest entry this store can keep (None: no limit of its own)."""
+        return None
+
     def was_discarded(self, key: str) -> bool:
         """True if ``key`` was stored but dropped as corrupt or truncated (recently; bounded memory).
 

@@ -58,6 +58,10 @@ class TieredStore(KVStore):
     def contains(self, key: str) -> bool:
         return any(t.contains(key) for t in self.tiers)
 
+    def max_entry_bytes(self) -> int | None:
+        limits = [t.max_entry_bytes() for t in self.tiers]
+        return None if any(n is None for n in limits) else max(limits)
+
     def was_discarded(self, key: str) -> bool:
         return any(t.was_discarded(key) for t in self.tiers)
 
