@@ -405,7 +405,7 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20
     max_documents: int = 256
     drain_timeout_s: float = 30.0
-    precompute_slice: int = 4  # /v1/chunks documents per worker turn: decode steps run between slices
+    precompute_slice: int = 1  # /v1/chunks documents per worker turn: other requests run between them
 
     def __post_init__(self):
         if self.max_body_bytes < 1 or self.max_documents < 1 or self.precompute_slice < 1:
