@@ -24,6 +24,7 @@ from kvblend.server import errors
 from kvblend.server.auth import Authenticator, Principal
 from kvblend.server.backends import Backend, Delta, Final, GenerationJob, build_backends, build_store, document_id
 from kvblend.server.limits import has_valid_key, install_gate
+from kvblend.server.openapi import install_openapi
 from kvblend.server.anthropic import anthropic_router
 from kvblend.server.metrics import Metrics
 from kvblend.server.schemas import (
@@ -102,6 +103,7 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
     errors.install_error_handlers(app)
     app.include_router(anthropic_router(state))  # POST /v1/messages (Anthropic-shaped errors of its own)
     install_gate(app, state)  # drain 503 > auth 401 > body 413 > JSON 400, before any route (limits.py)
+    install_openapi(app)  # /openapi.json as the server behaves (openapi.py)
     app.add_middleware(_RequestMetricsMiddleware, metrics=state.metrics)
     auth = Depends(state.auth)
 
