@@ -15,6 +15,7 @@ import argparse
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
 
@@ -28,7 +29,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--report-dir", default="bench/results/fuzz")
     args = p.parse_args()
-    exe = shutil.which("schemathesis") or shutil.which("st")
+    here = Path(sys.executable).parent  # the venv this script runs in, even when it is not on PATH
+    exe = shutil.which("schemathesis", path=str(here)) or shutil.which("schemathesis") or shutil.which("st")
     if exe is None:
         print("fuzz_api: schemathesis is not installed (pip install 'kvblend[test]')", file=sys.stderr)
         return 2

@@ -6,7 +6,8 @@
   ``/v1/messages``; ``/health``, ``/metrics`` and this document are open;
 - invalid bodies are 400 in the API's error shape, never FastAPI's 422; 401 / 413 / 503 come from the
   gate (``limits.py``) on every ``/v1/`` route; 502 / 504 from upstream models on the generating routes;
-- generating routes answer JSON, or ``text/event-stream`` with ``stream: true``.
+- generating routes answer JSON, or ``text/event-stream`` with ``stream: true``;
+- ``model`` is an enum of the ids served.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ _ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties
               "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}}
 
 
+_SSE_EVENT = {"type": "object", "description": "One server-sent event: data is a JSON chunk (or [DONE])",
+              "properties": {"event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"}}}
+
+
 def install_openapi(app) -> None:
     app.openapi = lambda: _schema(app)
 
@@ -45,6 +50,7 @@ def _schema(app) -> dict:
             if model is not None:
                 _add_model(components, model)
         components["AnthropicError"] = _ANTHROPIC_ERROR
+        _enumerate_models(components, sorted(app.state.kvblend.by_id))
         schema["components"]["securitySchemes"] = {
             "bearerAuth": {"type": "http", "scheme": "bearer"},
             "apiKeyHeader": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
@@ -53,6 +59,22 @@ def _schema(app) -> dict:
                 _fix_operation(path, method, op)
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+def _enumerate_models(components: dict, model_ids: list[str]) -> None:
+    """``model`` lists the ids served (the document is built after the models loaded), so generated
+    requests reach the models instead of stopping at 404."""
+    if not model_ids:
+        return
+    for name in ("ChatCompletionRequest", "CompletionRequest", "ChunksRequest", "MessagesRequest"):
+        prop = components.get(name, {}).get("properties", {}).get("model")
+        if prop is None:
+            continue
+        if "anyOf" in prop:  # optional (ChunksRequest): keep null allowed
+            prop["anyOf"] = [{"type": "string", "enum": model_ids}, {"type": "null"}]
+        else:
+            prop.pop("minLength", None)
+            prop.update(type="string", enum=model_ids)
 
 
 def _add_model(components: dict, model) -> None:
@@ -89,4 +111,4 @@ def _fix_operation(path: str, method: str, op: dict[str, Any]) -> None:
                                            + ("message_stop" if anthropic else "data: [DONE]")
                                            + " (or an in-band error event)",
                             "content": {"application/json": {"schema": body},
-                                        "text/event-stream": {"schema": {"type": "string"}}}}
+                                        "text/event-stream": {"schema": _SSE_EVENT}}}
