@@ -399,13 +399,13 @@ class ServerConfig:
     max_batch: int = 8  # per model: sequences decoded together in one engine.step
     default_max_tokens: int = 512  # when a request sets neither max_tokens nor max_completion_tokens
     retry_after_s: int = 1
-    # Reliability limits (docs/RELIABILITY.md): bodies over max_body_bytes get 413 before they are read;
-    # more than max_documents chunks in one request get 400; SIGTERM stops admitting (503) and gives live
-    # streams drain_timeout_s to finish before they are ended with an error event.
+    # Reliability limits (docs/RELIABILITY.md): bodies over max_body_bytes get 413 before they are
+    # read; more than max_documents chunks in one request get 400; SIGTERM stops admitting (503) and
+    # gives live streams drain_timeout_s to finish before they are ended with an error event.
     max_body_bytes: int = 8 << 20
     max_documents: int = 256
     drain_timeout_s: float = 30.0
-    precompute_slice: int = 1  # /v1/chunks documents per worker turn: other requests run between them
+    precompute_slice: int = 1  # /v1/chunks documents a worker turn: other requests run in between
 
     def __post_init__(self):
         if self.max_body_bytes < 1 or self.max_documents < 1 or self.precompute_slice < 1:

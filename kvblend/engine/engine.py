@@ -164,13 +164,14 @@ class Engine:
         return make_chunk_key(self.fingerprint, self.chunk_context_ids, chunk_ids, namespace)
 
     def max_chunk_tokens(self) -> int | None:
-        """The longest chunk whose KV the store can keep (None: no store limit), so a caller can refuse
-        one that would be computed and then silently dropped."""
+        """The longest chunk whose KV the store can keep (None: no store limit), so a caller can
+        refuse one that would be computed and then silently dropped."""
         limit = getattr(self.store, "max_entry_bytes", lambda: None)()
         if limit is None:
             return None
         ops = self.ops  # K and V: [layers, kv_heads, L, d] each
-        per_token = 2 * ops.num_layers * ops.num_kv_heads * ops.head_dim * ops.embed_tokens.weight.element_size()
+        itemsize = ops.embed_tokens.weight.element_size()
+        per_token = 2 * ops.num_layers * ops.num_kv_heads * ops.head_dim * itemsize
         return int(limit) // per_token
 
     def precompute(self, chunks: list[list[int]], namespace: str = "") -> list[dict]:
@@ -245,12 +246,13 @@ class Engine:
         k_work [L, Hkv, T, d]: pre-RoPE K of the prompt rows, stored rows loaded into it."""
         segs, num_tokens = request.segments, request.segments.num_tokens
         mode, ratio, selection = choice.mode, choice.ratio, choice.selection
-        bad: set[str] = set()  # entries that failed mid-read: recomputed alone, exactly as a hit is used
+        bad: set[str] = set()  # failed mid-read: recomputed alone, then used exactly as a hit
         while True:
             stats = PrefillStats(mode=mode, recompute_ratio=ratio if mode == "blend" else (0.0 if mode == "reuse" else 1.0),
                                  selection=choice.selection_label if mode == "blend" else None,
                                  prompt_tokens=num_tokens)
-            plan, stored, to_store, loader = self._plan(segs, choice, request.namespace, stats, cache, k_work, bad)
+            plan, stored, to_store, loader = self._plan(segs, choice, request.namespace, stats,
+                                                        cache, k_work, bad)
             t_loaded = time.perf_counter()
             try:
                 if selection == "lookahead" and plan.check_layers:
@@ -258,12 +260,13 @@ class Engine:
                 out = run_prefill(self.ops, plan, cache)
                 break
             except KVReadError as e:  # an entry went bad mid-read: plan again without it
-                failed = {seg.key for seg in stored if seg.key and getattr(seg.reader, "failed", False)}
+                failed = {s.key for s in stored if s.key and getattr(s.reader, "failed", False)}
                 if not failed - bad:  # no reader owns the failure: stop trusting every stored entry
                     failed = {seg.key for seg in stored if seg.key}
                 if not failed - bad:
                     raise
-                log.warning("stored KV failed while loading (%s); recomputing %d entries", e, len(failed - bad))
+                log.warning("stored KV failed while loading (%s); recomputing %d entries", e,
+                            len(failed - bad))
                 bad |= failed
             finally:
                 if loader is not None:
@@ -419,9 +422,9 @@ class Engine:
 
     def _chunk_segment(self, chunk_ids: list[int], row: int, namespace: str, stats: PrefillStats,
                        bad: set[str] = frozenset()) -> _StoredSegment | None:
-        """The stored chunk, or None when missing: its rows are then computed in context, like the query.
-        A chunk whose entry was damaged is computed alone now (never deferred), so it is used exactly as
-        its intact entry would have been: corruption costs time, never a different answer."""
+        """The stored chunk, or None when missing: its rows are then computed in context, like the
+        query. A chunk whose entry was damaged is computed alone now (never deferred), so it is used
+        exactly as its intact entry would have been: corruption costs time, never another answer."""
         key = self.chunk_key(chunk_ids, namespace)
         reader = self._open(key, len(chunk_ids), bad)
         if reader is not None:

@@ -66,7 +66,8 @@ class ServerState:
         if model is None and len(self.by_id) == 1:
             return next(iter(self.by_id.values()))
         if not model:  # several models served: the caller must say which
-            raise errors.invalid_request(f"Missing required parameter: 'model' (one of: {', '.join(sorted(self.by_id))}).",
+            served = ", ".join(sorted(self.by_id))
+            raise errors.invalid_request(f"Missing required parameter: 'model' (one of: {served}).",
                                          "model", "missing_required_parameter")
         backend = self.by_id.get(model)
         if backend is None:
@@ -102,7 +103,7 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
     app.state.kvblend = state
     errors.install_error_handlers(app)
     app.include_router(anthropic_router(state))  # POST /v1/messages (Anthropic-shaped errors of its own)
-    install_gate(app, state)  # drain 503 > auth 401 > body 413 > JSON 400, before any route (limits.py)
+    install_gate(app, state)  # drain 503 > auth 401 > 413 > JSON 400, before any route (limits.py)
     install_openapi(app)  # /openapi.json as the server behaves (openapi.py)
     app.add_middleware(_RequestMetricsMiddleware, metrics=state.metrics)
     auth = Depends(state.auth)
@@ -112,7 +113,8 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
         if not state.ready or state.lifecycle.draining:
             raise errors.unavailable("draining for shutdown" if state.ready else "loading models")
         # hosts, ports and upstream model names only for callers with a key (or with auth off)
-        upstreams = await upstream_health(state.by_id.values(), has_valid_key(state, request)) or None
+        detailed = has_valid_key(state, request)
+        upstreams = await upstream_health(state.by_id.values(), detailed) or None
         degraded = any(not u.get("reachable") for u in (upstreams or {}).values())
         return Health(status="degraded" if degraded else "ok", models=list(state.by_id), upstreams=upstreams)
 

@@ -94,9 +94,9 @@ class PromptTooLong(ValueError):
 
 def build_request(engine, job: GenerationJob, default_max_tokens: int,
                   max_documents: int = 1 << 30) -> GenerationRequest:
-    """Tokenizes, checks the context window and chunk count, fixes max_tokens. Runs on a helper thread,
-    not the model's worker: only the tokenizer is touched (its fast encode is safe across threads), so
-    a huge prompt's tokenization never stalls other tenants' decode steps."""
+    """Tokenizes, checks the context window and chunk count, fixes max_tokens. Runs on a helper
+    thread, not the model's worker: only the tokenizer is touched (its fast encode is safe across
+    threads), so a huge prompt's tokenization never stalls other tenants' decode steps."""
     if job.messages is not None:
         segs = engine.segments_from_messages(job.messages, documents=job.documents or None)
     else:
@@ -247,13 +247,14 @@ class LocalBackend:
         return LocalStream(handle, queue, first.stats)
 
     async def precompute(self, documents: list[str], namespace: str) -> list[dict]:
-        """Tokenized on a helper thread; computed on the worker a slice at a time, so other requests'
-        decode steps run between slices. Cancelling the caller stops before the next slice."""
+        """Tokenized on a helper thread; computed on the worker a slice at a time, so other
+        requests' steps run between slices. Cancelling the caller stops before the next slice."""
         check_num_documents(len(documents), self.config.max_documents)
         engine = self.engine
         try:
             ids = await asyncio.to_thread(
-                lambda: [engine.segments(documents=[d], question="").chunk_ids[0] for d in documents])
+                lambda: [engine.segments(documents=[d], question="").chunk_ids[0]
+                         for d in documents])
         except Exception as e:
             raise map_engine_error(e) from None
         check_chunk_sizes(ids, getattr(engine, "max_chunk_tokens", lambda: None)())
@@ -262,7 +263,8 @@ class LocalBackend:
         for i in range(0, len(ids), step):
             part = ids[i:i + step]
             try:
-                fut = self._scheduler().call(lambda e, part=part: list(e.precompute(part, namespace=namespace)))
+                fut = self._scheduler().call(
+                    lambda e, part=part: list(e.precompute(part, namespace=namespace)))
             except QueueFullError as e:
                 raise errors.queue_full(e.retry_after_s, e.depth) from None
             except SchedulerClosedError as e:

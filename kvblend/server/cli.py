@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, help="waiting requests per model before 429")
     p.add_argument("--max-batch", type=int, help="sequences decoded together per model")
     p.add_argument("--default-max-tokens", type=int, help="completion limit when a request sets none")
-    p.add_argument("--max-body-bytes", type=int, help="request bodies over this get 413 (default 8 MiB)")
+    p.add_argument("--max-body-bytes", type=int,
+                   help="request bodies over this get 413 (default 8 MiB)")
     p.add_argument("--drain-timeout", type=float, dest="drain_timeout_s",
                    help="seconds live requests get to finish after SIGTERM (default 30)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
@@ -50,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
 
     base = load_server_config(args.config)
     overrides = {"host": args.host, "port": args.port, "max_queue": args.max_queue, "max_batch": args.max_batch,
-                 "default_max_tokens": args.default_max_tokens, "max_body_bytes": args.max_body_bytes,
+                 "default_max_tokens": args.default_max_tokens,
+                 "max_body_bytes": args.max_body_bytes,
                  "drain_timeout_s": args.drain_timeout_s,
                  "models": _model_override(args, base.models)}
     if args.api_key:
@@ -60,5 +62,5 @@ def run(args: argparse.Namespace) -> int:
     if not config.api_keys and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s with no API keys: anyone who can reach it can use it", config.host)
     app = create_app(config)
-    serve(app, config, args.log_level)  # SIGTERM drains live requests first (kvblend/server/shutdown.py)
+    serve(app, config, args.log_level)  # SIGTERM drains live requests first (shutdown.py)
     return 0

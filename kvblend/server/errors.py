@@ -87,8 +87,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     param = _loc_to_param(tuple(first.get("loc", ())))
     msg = str(first.get("msg", "invalid value"))
     if first.get("type") == "missing" and param is None:
-        return invalid_request("The request body is empty; send a JSON object with the request's parameters.",
-                               None, "empty_body")
+        return invalid_request("The request body is empty; send a JSON object with the request's "
+                               "parameters.", None, "empty_body")
     if first.get("type") == "missing":
         return invalid_request(f"Missing required parameter: {param!r}.", param, "missing_required_parameter")
     if param is None:

@@ -3,14 +3,14 @@
 ``GateMiddleware`` (pure ASGI, outermost) answers, in this order, for every path under ``/v1/``:
 
 1. 503 while the server drains for shutdown (``Lifecycle.draining``), ``Retry-After`` set;
-2. 401 without a valid key (auth first, as OpenAI and vLLM do: nothing about a request is looked at,
-   not even whether its body parses, before the caller is known);
+2. 401 without a valid key (auth first, as OpenAI and vLLM do: nothing about a request is looked
+   at, not even whether its body parses, before the caller is known);
 3. 413 for a body over ``max_body_bytes``: at once from ``Content-Length``, or as soon as a chunked
    body passes the limit, so an oversized body never reaches JSON parsing or the tokenizer;
 4. 400 for a POST body that is empty, not JSON, nested too deeply to parse, or not a JSON object.
 
 Errors are in the endpoint's own shape (Anthropic's for ``/v1/messages``, OpenAI's elsewhere). The
-gate also counts requests in flight, which graceful shutdown waits on (``kvblend/server/shutdown.py``).
+gate also counts requests in flight, which graceful shutdown waits on (``shutdown.py``).
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ class GateMiddleware:
         lifecycle: Lifecycle = self.state.lifecycle
         try:
             if lifecycle.draining:
-                raise errors.unavailable("The server is shutting down and accepts no new requests; retry on "
-                                         "another replica.", self.state.config.retry_after_s)
+                raise errors.unavailable("The server is shutting down and accepts no new "
+                                         "requests; retry on another replica.",
+                                         self.state.config.retry_after_s)
             authenticate(self.state.auth, Request(scope), anthropic)
             if scope.get("method") in ("POST", "PUT", "PATCH"):
                 body = await _read_body(scope, receive, self.state.config.max_body_bytes)
@@ -69,7 +70,7 @@ class GateMiddleware:
 
 
 def authenticate(auth, request: Request, anthropic: bool):
-    """The caller's principal; Anthropic clients may send ``x-api-key`` instead of a bearer token."""
+    """The caller's principal; Anthropic clients may send ``x-api-key`` instead of a bearer."""
     key = request.headers.get("x-api-key") if anthropic else None
     if key is not None and key.strip():
         return auth.authenticate(f"Bearer {key.strip()}")
@@ -111,20 +112,24 @@ async def _read_body(scope, receive, limit: int) -> bytes:
 
 
 def check_json_object(body: bytes) -> None:
-    """400 unless ``body`` is one JSON object; RecursionError (deep nesting) is bad input, not a 500."""
+    """400 unless ``body`` is one JSON object; RecursionError (deep nesting) is bad input."""
     if not body.strip():
-        raise errors.invalid_request("The request body is empty; send a JSON object with the request's "
-                                     "parameters (Content-Type: application/json).", None, "empty_body")
+        raise errors.invalid_request("The request body is empty; send a JSON object with the "
+                                     "request's parameters (Content-Type: application/json).",
+                                     None, "empty_body")
     try:
         data = json.loads(body)
     except RecursionError:
-        raise errors.invalid_request("The JSON body is nested too deeply to parse.", None, "json_too_deep") from None
+        raise errors.invalid_request("The JSON body is nested too deeply to parse.", None,
+                                     "json_too_deep") from None
     except ValueError:
-        raise errors.invalid_request("We could not parse the JSON body of your request. (HINT: This likely means "
-                                     "you aren't using your HTTP library correctly.)", None, "invalid_json") from None
+        raise errors.invalid_request("We could not parse the JSON body of your request. (HINT: "
+                                     "This likely means you aren't using your HTTP library "
+                                     "correctly.)",
+                                     None, "invalid_json") from None
     if not isinstance(data, dict):
-        raise errors.invalid_request(f"The request body must be a JSON object, not {type(data).__name__}.",
-                                     None, "invalid_body")
+        raise errors.invalid_request("The request body must be a JSON object, not "
+                                     f"{type(data).__name__}.", None, "invalid_body")
 
 
 def _replay(body: bytes, receive):
@@ -163,25 +168,28 @@ def check_token_ids(prompt, vocab_size: int | None, param: str = "prompt") -> No
     limit = min(vocab_size or MAX_TOKEN_ID + 1, MAX_TOKEN_ID + 1)
     for i, t in enumerate(prompt):
         if not 0 <= t < limit:
-            raise errors.invalid_request(f"Invalid token id {t} at {param}[{i}]: token ids must be in "
-                                         f"[0, {limit - 1}] for this model.", f"{param}[{i}]", "invalid_token_id")
+            raise errors.invalid_request(f"Invalid token id {t} at {param}[{i}]: token ids must be "
+                                         f"in [0, {limit - 1}] for this model.", f"{param}[{i}]",
+                                         "invalid_token_id")
 
 
 def check_num_documents(num: int, limit: int, param: str = "documents") -> None:
     if num > limit:
-        raise errors.invalid_request(f"Too many documents/chunks in one request: {num}; this server accepts at "
-                                     f"most {limit} (max_documents). Split the request.", param,
-                                     "too_many_documents")
+        raise errors.invalid_request(f"Too many documents/chunks in one request: {num}; this "
+                                     f"server accepts at most {limit} (max_documents). Split the "
+                                     "request.",
+                                     param, "too_many_documents")
 
 
 def check_chunk_sizes(chunk_ids: list[list[int]], max_tokens: int | None) -> None:
-    """400 for a document whose KV no store tier could keep: it would be computed and dropped on every
-    call (``cached: false`` forever) with nothing saying why."""
+    """400 for a document whose KV no store tier could keep: it would be computed and dropped on
+    every call (``cached: false`` forever) with nothing saying why."""
     if max_tokens is None:
         return
     for i, ids in enumerate(chunk_ids):
         if len(ids) > max_tokens:
             raise errors.invalid_request(
-                f"documents[{i}] is {len(ids)} tokens; its KV would exceed every store tier's budget (at most "
-                f"{max_tokens} tokens fit). Split it, or raise store.memory_bytes / store.disk_bytes.",
+                f"documents[{i}] is {len(ids)} tokens; its KV would exceed every store tier's "
+                f"budget (at most {max_tokens} tokens fit). Split it, or raise store.memory_bytes "
+                "/ store.disk_bytes.",
                 f"documents[{i}]", "chunk_too_large")

@@ -1,13 +1,13 @@
-"""Graceful shutdown for ``kvblend serve``: drain, then end what is left with an error event, then exit.
+"""Graceful shutdown for ``kvblend serve``: drain, end what is left with an error event, then exit.
 
 On the first SIGTERM (or SIGINT) the server keeps listening but admits nothing new: the gate answers
 every ``/v1/`` request 503 in the endpoint's own error shape with ``Retry-After``, and ``/health``
 answers 503 so a load balancer takes the replica out. Live requests, streams included, get up to
-``drain_timeout_s`` to finish normally (``[DONE]`` / ``message_stop``). Whatever is still running then
-is ended by stopping the backends: a local model's worker fails its sequences with "the server is
-shutting down", which each stream reports in-band as an error event (OpenAI: ``data: {"error": ...}``,
-Anthropic: ``event: error``), and upstream relays end with an error event too. Only then does uvicorn
-run its own shutdown. A second signal skips the drain.
+``drain_timeout_s`` to finish normally (``[DONE]`` / ``message_stop``). Whatever is still running
+then is ended by stopping the backends: a local model's worker fails its sequences with "the server
+is shutting down", which each stream reports in-band as an error event (OpenAI: ``data: {"error":
+...}``, Anthropic: ``event: error``), and upstream relays end with an error event too. Only then
+does uvicorn run its own shutdown. A second signal skips the drain.
 
 uvicorn alone cancels every request task after ``timeout_graceful_shutdown`` and before the app's
 shutdown runs, so streams were cut with no closing event at all.
@@ -36,7 +36,8 @@ class DrainingServer(uvicorn.Server):
         self._ended = False
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self._deadline is None and not self.should_exit and sig in (signal.SIGTERM, signal.SIGINT):
+        first = self._deadline is None and not self.should_exit
+        if first and sig in (signal.SIGTERM, signal.SIGINT):
             self._captured_signals.append(sig)  # re-raised by uvicorn once it has shut down
             self.app_state.lifecycle.draining = True
             self._deadline = time.monotonic() + self.drain_timeout_s

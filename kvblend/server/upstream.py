@@ -152,8 +152,9 @@ class UpstreamBackend:
 
     def unreachable_error(self, exc: BaseException | None, attempts: int = 1) -> errors.APIError:
         tries = f" after {attempts} attempts" if attempts > 1 else ""
-        return errors.APIError(502, f"{self.label} is unreachable: {self._redact(_reason(exc))}{tries}.", "server_error", None,
-                               "upstream_unreachable")
+        why = self._redact(_reason(exc))
+        return errors.APIError(502, f"{self.label} is unreachable: {why}{tries}.", "server_error",
+                               None, "upstream_unreachable")
 
     def timeout_error(self, exc: BaseException | None, attempts: int = 1) -> errors.APIError:
         what = "connecting" if isinstance(exc, httpx.ConnectTimeout) else "waiting for a response"
@@ -164,8 +165,9 @@ class UpstreamBackend:
                                None, "upstream_timeout")
 
     def transport_error(self, exc: BaseException) -> errors.APIError:
-        return errors.APIError(502, f"{self.label} failed mid-request: {self._redact(_reason(exc))}.", "server_error", None,
-                               "upstream_error")
+        why = self._redact(_reason(exc))
+        return errors.APIError(502, f"{self.label} failed mid-request: {why}.", "server_error",
+                               None, "upstream_error")
 
     def status_error(self, status: int, content: bytes, headers: httpx.Headers | dict) -> errors.APIError:
         """An upstream HTTP error status -> the error the gateway's client gets (see the module table)."""
@@ -244,7 +246,7 @@ class UpstreamBackend:
         except ValueError:
             raise errors.APIError(502, f"{self.label} returned a body that is not JSON (HTTP {status}).",
                                   "server_error", None, "upstream_error") from None
-        obj = self._redactor.obj(obj)  # no byte of the gateway's upstream key goes back, whatever field
+        obj = self._redactor.obj(obj)  # no byte of the upstream key goes back, whatever field
         if isinstance(obj, dict):
             if "model" in obj:
                 obj["model"] = self.id
@@ -253,9 +255,9 @@ class UpstreamBackend:
         return JSONResponse(obj, status_code=status)
 
     async def _relay(self, resp: httpx.Response, t0: float, metrics) -> AsyncIterator[str]:
-        """SSE events as they arrive, rebuilt from their parsed JSON (``model`` rewritten, every string
-        masked): nothing the upstream wrote goes out verbatim. Comments, ``event:``/``id:`` lines and
-        non-JSON data are dropped. A broken upstream ends the stream with an error event."""
+        """SSE events as they arrive, rebuilt from their parsed JSON (``model`` rewritten, every
+        string masked): nothing the upstream wrote goes out verbatim. Comments, ``event:`` / ``id:``
+        lines and non-JSON data are dropped. A broken upstream ends the stream with an error."""
         first, usage = True, None
         try:
             async for line in resp.aiter_lines():
@@ -330,7 +332,8 @@ class UpstreamBackend:
                     content = await resp.aread()
                 finally:
                     await resp.aclose()
-                return UpstreamStream(self, resp, chat, body=self._completion_body(resp.status_code, content))
+                body = self._completion_body(resp.status_code, content)
+                return UpstreamStream(self, resp, chat, body=body)
         except BaseException:
             self._inflight -= 1
             raise
@@ -340,8 +343,9 @@ class UpstreamBackend:
         """A non-streamed chat / completion body, masked; 502 if it is not one."""
         obj = _json_or_none(content.decode("utf-8", "replace")) if content else None
         if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
-            raise errors.APIError(502, f"{self.label} returned neither an event stream nor a completion "
-                                  f"(HTTP {status}).", "server_error", None, "upstream_error")
+            raise errors.APIError(502, f"{self.label} returned neither an event stream nor a "
+                                  f"completion (HTTP {status}).", "server_error", None,
+                                  "upstream_error")
         return self._redactor.obj(obj)
 
     # --- health ------------------------------------------------------------------------------------
@@ -370,7 +374,8 @@ class UpstreamBackend:
 class UpstreamStream:
     """One streamed upstream chat/completion as ``Delta`` events and a closing ``Final``."""
 
-    def __init__(self, backend: UpstreamBackend, resp: httpx.Response, chat: bool, body: dict | None = None):
+    def __init__(self, backend: UpstreamBackend, resp: httpx.Response, chat: bool,
+                 body: dict | None = None):
         self.backend = backend
         self._resp = resp
         self._chat = chat
@@ -454,9 +459,10 @@ class UpstreamStream:
             yield Delta(piece)
         u = obj.get("usage") if isinstance(obj.get("usage"), dict) else {}
         details = u.get("prompt_tokens_details") or {}
+        completion = int(u.get("completion_tokens") or (1 if piece else 0))
         yield Final(choice.get("finish_reason") or "stop", int(u.get("prompt_tokens") or 0),
-                    int(u.get("completion_tokens") or (1 if piece else 0)), int(details.get("cached_tokens") or 0),
-                    piece, u.get("kvblend") if isinstance(u.get("kvblend"), dict) else None)
+                    completion, int(details.get("cached_tokens") or 0), piece,
+                    u.get("kvblend") if isinstance(u.get("kvblend"), dict) else None)
 
 
 # --- helpers for the app -------------------------------------------------------------------------
@@ -473,8 +479,8 @@ PUBLIC_HEALTH_FIELDS = ("reachable", "status", "latency_ms")
 
 
 async def upstream_health(backends, detailed: bool = False) -> dict[str, dict]:
-    """Per upstream id its probe; without ``detailed`` (a caller with no key) only whether it answers:
-    never its host, port, upstream model name or error text."""
+    """Per upstream id its probe; without ``detailed`` (a caller with no key) only whether it
+    answers: never its host, port, upstream model name or error text."""
     ups = [b for b in backends if isinstance(b, UpstreamBackend)]
     results = await asyncio.gather(*(b.probe() for b in ups))
     if not detailed:
@@ -501,8 +507,8 @@ def _reason(exc: BaseException | None) -> str:
 
 
 def _upstream_error(content: bytes, redact=lambda t: t) -> tuple[str, str | None, str | None]:
-    """(message, param, code) from an OpenAI- or Anthropic-shaped error body, or its text; every part
-    goes through ``redact`` before it is shortened, so a cut can never leave part of a key behind."""
+    """(message, param, code) from an OpenAI- or Anthropic-shaped error body, or its text; every
+    part goes through ``redact`` before it is shortened, so a cut never leaves part of a key."""
     try:
         body = json.loads(content)
     except (ValueError, RecursionError):

@@ -75,10 +75,10 @@ class KVStore(ABC):
         return None
 
     def was_discarded(self, key: str) -> bool:
-        """True if ``key`` was stored but dropped as corrupt or truncated (recently; bounded memory).
+        """True if ``key`` was stored but dropped as corrupt or truncated (recently; bounded).
 
-        Lets the engine recompute such a chunk at once, exactly as a hit would have been used, instead of
-        treating it as a cold miss: a damaged entry must never change an answer."""
+        Lets the engine recompute such a chunk at once, exactly as a hit would have been used,
+        instead of treating it as a cold miss: a damaged entry must never change an answer."""
         return False
 
     def stats(self) -> dict:
@@ -104,7 +104,7 @@ class KVStore(ABC):
 
 
 class DiscardedKeys:
-    """The last ``limit`` keys a tier dropped as corrupt (thread-safe enough: set/deque ops under the GIL)."""
+    """The last ``limit`` keys a tier dropped as corrupt (set / deque ops: atomic under the GIL)."""
 
     def __init__(self, limit: int = 4096):
         import collections

@@ -202,7 +202,7 @@ class DiskStore(KVStore):
             raise
 
     def _free_space(self, nbytes: int) -> bool:
-        """Evict LRU entries until ``nbytes`` are freed or none is left; True if anything was freed."""
+        """Evict LRU entries until ``nbytes`` are freed or none is left; True if any was freed."""
         freed, evicted = 0, []
         with self._lock:
             for old in self._lru.keys():
