@@ -220,3 +220,47 @@ def test_health_hides_upstream_addresses_without_a_key(monkeypatch):
         assert up["reachable"] is True and "up-host" not in r.text and "9123" not in r.text
         assert set(up) <= {"reachable", "status", "latency_ms"}
         assert "up-host.example:9123" in c.get("/health", headers=AUTH).text  # operators with a key see it
+
+
+# --- F6: deferred chunk work in slices ---------------------------------------------------------------
+
+class DeferringEngine(FakeEngine):
+    """Every prefill leaves six missing chunks to compute later (as blend requests with new documents do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.left, self.calls = 0, []
+
+    @property
+    def has_deferred(self) -> bool:
+        return self.left > 0
+
+    def run_deferred(self, max_items=None) -> int:
+        n = self.left if max_items is None else min(max_items, self.left)
+        self.calls.append(max_items)
+        self.left -= n
+        return n
+
+    def start(self, req):
+        seq = super().start(req)
+        self.left += 6
+        return seq
+
+
+def test_deferred_chunks_are_computed_a_slice_a_turn_while_a_stream_decodes():
+    import threading
+
+    from kvblend.blend.segmenter import Segments
+    from kvblend.engine.request import GenerationRequest, GenerationResult, SamplingParams
+    from kvblend.engine.scheduler import DEFERRED_SLICE, Scheduler
+
+    engine = DeferringEngine()
+    sched = Scheduler(engine).start()
+    try:
+        done = threading.Event()
+        sched.submit(GenerationRequest(Segments([1], [], [2]), SamplingParams(max_tokens=20)),
+                     lambda ev: done.set() if isinstance(ev, GenerationResult) else None)
+        assert done.wait(10)
+        assert engine.left == 0 and engine.calls[:3] == [DEFERRED_SLICE] * 3, engine.calls
+    finally:
+        sched.stop()
