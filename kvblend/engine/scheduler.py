@@ -27,8 +27,8 @@ from kvblend.engine.request import GenerationRequest, GenerationResult, PrefillS
 
 log = logging.getLogger(__name__)
 
-# Called on the worker thread when a callable is given; the server builds requests on a helper thread
-# instead (kvblend/server/backends.py) so tokenizing a large prompt never holds the worker.
+# Called on the worker thread when a callable is given; the server builds requests on a helper
+# thread instead (kvblend/server/backends.py) so tokenizing a large prompt never holds the worker.
 RequestBuilder = Callable[[Any], GenerationRequest]
 DEFERRED_SLICE = 2  # missing chunks computed per worker turn while sequences are decoding
 
@@ -159,7 +159,7 @@ class Scheduler:
                         break
                 self._admit()
                 self._step()
-                self._run_deferred()  # what the last prefill left, a slice a turn while others decode
+                self._run_deferred()  # what prefills left: a slice a turn while others decode
         except BaseException as e:  # a bug in the engine loop: fail everyone loudly, not silently hang
             log.exception("scheduler %s died", self.name)
             self._fail_all(e)
