@@ -90,6 +90,26 @@ def test_abandoned_chunks_call_stops(server):
     print(f"\nabandoned /v1/chunks: {cached} of {len(docs)} documents computed")
 
 
+@pytest.mark.slow
+def test_abandoned_generation_stops(server):
+    """A client that gives up on a long non-streamed answer frees its sequence (both APIs)."""
+    long = {"model": MODEL, "max_tokens": 3000,
+            "messages": [{"role": "user", "content": "Write a very long story about a lighthouse keeper."}]}
+    for path in ("/v1/messages", "/v1/chat/completions"):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.base_url + path, json=long, timeout=2.0)
+        deadline = time.monotonic() + 10
+        while _active_sequences(server.base_url) > 0:
+            assert time.monotonic() < deadline, f"{path}: the generation kept running after the client left"
+            time.sleep(0.2)
+
+
+def _active_sequences(base_url: str) -> float:
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("kvblend_active_sequences"))
+
+
 def test_precompute_is_sliced_and_stops_when_cancelled():
     """At the backend: one worker turn per slice, and a cancelled call submits no further slice."""
     engine = FakeEngine()

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvblend.server import errors
 from kvblend.server.backends import Delta, Final, GenerationJob
+from kvblend.server.limits import until_disconnect
 from kvblend.server.schemas import Selection
 
 log = logging.getLogger(__name__)
@@ -100,13 +101,13 @@ def anthropic_router(state) -> APIRouter:
             local_stops = not hasattr(backend, "forward")  # local engines: stop sequences matched here
             job = to_job(body, principal.namespace, send_stops=not local_stops)
             t0 = time.perf_counter()
-            gen = await backend.open(job)
+            gen = await until_disconnect(request, backend.open(job))  # a client gone: work stops
             stops = list(body.stop_sequences or []) if local_stops else []
             run = _Run(state, backend, gen, stops, body.stop_sequences or [], t0)
             if body.stream:
                 return StreamingResponse(run.sse(), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return JSONResponse(await run.message())
+            return JSONResponse(await until_disconnect(request, run.message()))
         except errors.APIError as e:
             return error_response(e)
         except Exception:

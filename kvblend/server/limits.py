@@ -15,13 +15,17 @@ gate also counts requests in flight, which graceful shutdown waits on (``shutdow
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from starlette.requests import Request
 
 from kvblend.server import errors
 
+T = TypeVar("T")
 ANTHROPIC_PATHS = ("/v1/messages",)
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; keeps torch from overflowing on int64 conversion
 
@@ -193,3 +197,24 @@ def check_chunk_sizes(chunk_ids: list[list[int]], max_tokens: int | None) -> Non
                 f"budget (at most {max_tokens} tokens fit). Split it, or raise store.memory_bytes "
                 "/ store.disk_bytes.",
                 f"documents[{i}]", "chunk_too_large")
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client hangs up first; then cancel it (and the generation with it)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise errors.APIError(499, "client disconnected", code="client_closed_request")
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
