@@ -61,6 +61,14 @@ class DrainingServer(uvicorn.Server):
                     await asyncio.to_thread(_stop_backends, self.app_state)
         return await super().on_tick(counter)
 
+    async def shutdown(self, sockets=None) -> None:
+        # However the drain ended (a second signal included), generations end with an error event
+        # before uvicorn's own shutdown, which would cancel their tasks with no closing event at all.
+        if not self._ended:
+            self._ended = True
+            await asyncio.to_thread(_stop_backends, self.app_state)
+        await super().shutdown(sockets)
+
 
 def _stop_backends(state) -> None:
     for backend in state.backends:
