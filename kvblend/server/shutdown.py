@@ -63,7 +63,7 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         # However the drain ended (a second signal included), generations end with an error event
-        # before uvicorn's own shutdown, which would cancel their tasks with no closing event at all.
+        # before uvicorn's own shutdown, which would cancel their tasks with no closing event.
         if not self._ended:
             self._ended = True
             await asyncio.to_thread(_stop_backends, self.app_state)
