@@ -93,6 +93,24 @@ def test_auth_comes_before_body_parsing_on_every_endpoint(path):
         assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("path", POST_PATHS)
+def test_unpaired_surrogate_escapes_are_400_and_pairs_pass(path):
+    """JSON may carry half a UTF-16 pair ("\\ud800"); echoed or tokenized it was a 500 (found by the
+    fuzz test of test_server.py on /v1/completions with echo)."""
+    anthropic = path == "/v1/messages"
+    text = json.dumps(VALID[path])
+    with make_client() as c:
+        for bad in ("\\ud800", "x\\udc00y"):
+            body = text.replace('"one two"', f'"{bad}"').replace('"a b"', f'"{bad}"').replace(
+                '"hello there"', f'"{bad}"')
+            r = c.post(path, content=body.encode(), headers={**AUTH, "content-type": "application/json"})
+            assert r.status_code == 400, (body, r.text)
+            assert "surrogate" in _error(r, anthropic)["message"]
+        body = text.replace('"hello there"', '"hi \\ud83d\\ude00"').replace('"a b"', '"\\ud83d\\ude00"')
+        r = c.post(path, content=body.encode(), headers={**AUTH, "content-type": "application/json"})
+        assert r.status_code == 200, r.text
+
+
 def test_chunks_without_model_when_several_are_served():
     models = [ModelEntry(id="fake"), ModelEntry(id="other")]
     with make_client(models=models) as c:

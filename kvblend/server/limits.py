@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -134,6 +135,30 @@ def check_json_object(body: bytes) -> None:
     if not isinstance(data, dict):
         raise errors.invalid_request("The request body must be a JSON object, not "
                                      f"{type(data).__name__}.", None, "invalid_body")
+    if _SURROGATE_ESCAPE.search(body) and _has_lone_surrogate(data):
+        # JSON may escape half a UTF-16 pair; no tokenizer or UTF-8 response can carry one
+        raise errors.invalid_request("The request contains invalid Unicode (an unpaired surrogate "
+                                     "escape such as \\ud800).", None, "invalid_unicode")
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(value) -> bool:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 def _replay(body: bytes, receive):
