@@ -354,8 +354,19 @@ class ServerConfig:
     max_batch: int = 8  # per model: sequences decoded together in one engine.step
     default_max_tokens: int = 512  # when a request sets neither max_tokens nor max_completion_tokens
     retry_after_s: int = 1
+    # Reliability limits (docs/RELIABILITY.md): bodies over max_body_bytes get 413 before they are
+    # read; more than max_documents chunks in one request get 400; SIGTERM stops admitting (503) and
+    # gives live streams drain_timeout_s to finish before they are ended with an error event.
+    max_body_bytes: int = 8 << 20
+    max_documents: int = 256
+    drain_timeout_s: float = 30.0
+    precompute_slice: int = 1  # /v1/chunks documents a worker turn: other requests run in between
 
     def __post_init__(self):
+        if self.max_body_bytes < 1 or self.max_documents < 1 or self.precompute_slice < 1:
+            raise ValueError("max_body_bytes, max_documents and precompute_slice must be >= 1")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not (0 <= self.port < 65536):
             raise ValueError(f"port must be within [0, 65535], got {self.port}")
         if not self.models:

@@ -66,7 +66,8 @@ USER = [{"role": "user", "content": "Say hello."}]
 
 def test_models_and_health(front, oai):
     assert {m.id for m in oai.models.list().data} == {LOCAL, REMOTE, BADKEY}
-    h = httpx.get(front.base_url + "/health", timeout=10).json()
+    h = httpx.get(front.base_url + "/health", timeout=10,
+                  headers={"Authorization": f"Bearer {FRONT_KEY}"}).json()  # details need a key
     assert h["status"] == "ok" and h["upstreams"][REMOTE]["reachable"] is True
     assert h["upstreams"][REMOTE]["auth_ok"] is True and h["upstreams"][BADKEY]["auth_ok"] is False
     assert UP_KEY not in json.dumps(h) and WRONG_UP_KEY not in json.dumps(h)

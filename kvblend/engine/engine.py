@@ -79,6 +79,7 @@ class _StoredSegment:
     # Stored in the context of every segment before it (a prefix-chain hit): used as is, never
     # recomputed. Chunk KV computed alone is not exact and goes through selection.
     exact: bool = False
+    key: str = ""  # the store key read (empty: computed during this request)
 
     @property
     def seq_len(self) -> int:
@@ -121,6 +122,7 @@ class Engine:
         self.fingerprint = loaded.fingerprint
         self.model_id = _model_id(config.model.model, loaded)
         self.max_context_len = self.ops.max_position_embeddings
+        self.vocab_size = int(self.ops.embed_tokens.weight.shape[0])  # token ids must be below this
         # Chunks are prefilled behind this context; it is part of every chunk key.
         ctx_text = config.chunk_context
         if ctx_text is None:
@@ -161,6 +163,17 @@ class Engine:
     # ---- chunk precompute ----------------------------------------------------------------------
     def chunk_key(self, chunk_ids: list[int], namespace: str = "") -> str:
         return make_chunk_key(self.fingerprint, self.chunk_context_ids, chunk_ids, namespace)
+
+    def max_chunk_tokens(self) -> int | None:
+        """The longest chunk whose KV the store can keep (None: no store limit), so a caller can
+        refuse one that would be computed and then silently dropped."""
+        limit = getattr(self.store, "max_entry_bytes", lambda: None)()
+        if limit is None:
+            return None
+        ops = self.ops  # K and V: [layers, kv_heads, L, d] each
+        itemsize = ops.embed_tokens.weight.element_size()
+        per_token = 2 * ops.num_layers * ops.num_kv_heads * ops.head_dim * itemsize
+        return int(limit) // per_token
 
     def precompute(self, chunks: list[list[int]], namespace: str = "") -> list[dict]:
         """Compute and store the KV of each chunk not already stored. Returns one dict per chunk."""
@@ -234,22 +247,29 @@ class Engine:
         k_work [L, Hkv, T, d]: pre-RoPE K of the prompt rows, stored rows loaded into it."""
         segs, num_tokens = request.segments, request.segments.num_tokens
         mode, ratio, selection = choice.mode, choice.ratio, choice.selection
-        for attempt in range(2):
+        bad: set[str] = set()  # failed mid-read: recomputed alone, then used exactly as a hit
+        while True:
             stats = PrefillStats(mode=mode, recompute_ratio=ratio if mode == "blend" else (0.0 if mode == "reuse" else 1.0),
                                  selection=choice.selection_label if mode == "blend" else None,
                                  prompt_tokens=num_tokens, attention_kernel=self.attention_kernel,
                                  attention_kernel_reason=self.attention_kernel_reason)
-            plan, stored, to_store, loader = self._plan(segs, choice, request.namespace, stats, cache, k_work)
+            plan, stored, to_store, loader = self._plan(segs, choice, request.namespace, stats,
+                                                        cache, k_work, bad)
             t_loaded = time.perf_counter()
             try:
                 if selection == "lookahead" and plan.check_layers:
                     plan = self._lookahead(plan, cache, choice.lookahead_layers)
                 out = run_prefill(self.ops, plan, cache)
                 break
-            except KVReadError as e:  # an entry went bad mid-read: it is gone now, so plan again
-                log.warning("stored KV failed while loading (%s); recomputing the affected segments", e)
-                if attempt == 1:
+            except KVReadError as e:  # an entry went bad mid-read: plan again without it
+                failed = {s.key for s in stored if s.key and getattr(s.reader, "failed", False)}
+                if not failed - bad:  # no reader owns the failure: stop trusting every stored entry
+                    failed = {seg.key for seg in stored if seg.key}
+                if not failed - bad:
                     raise
+                log.warning("stored KV failed while loading (%s); recomputing %d entries", e,
+                            len(failed - bad))
+                bad |= failed
             finally:
                 if loader is not None:
                     loader.close()
@@ -270,12 +290,13 @@ class Engine:
         return seq
 
     def _plan(self, segs: Segments, choice: _Choice, namespace: str, stats: PrefillStats, cache: KVCache,
-              k_work: torch.Tensor):
+              k_work: torch.Tensor, bad: set[str] = frozenset()):
         """Look segments up in the store for ``choice.mode`` and build the layer-loop plan; stored K loads into
         ``k_work`` [L, Hkv, T, d], stored V into the cache.
 
         Returns (plan, stored segments, [(prefix key, row start, row end)] to store after the
-        prefill, the loader filling the plan's stored rows layer by layer or None)."""
+        prefill, the loader filling the plan's stored rows layer by layer or None). Keys in ``bad``
+        failed an earlier attempt: they are misses, and such chunks are computed alone now."""
         mode, ratio, selection = choice.mode, choice.ratio, choice.selection
         ids = torch.tensor(segs.token_ids, dtype=torch.long)
         num_tokens = ids.numel()
@@ -283,9 +304,9 @@ class Engine:
         if mode == "full":
             stored, to_store = [], []
         elif mode == "prefix":
-            stored, to_store = self._lookup_prefix_chain(segs, namespace)
+            stored, to_store = self._lookup_prefix_chain(segs, namespace, bad)
         else:
-            stored, to_store = self._lookup_chunks(segs, namespace, stats, choice.chain_tag)
+            stored, to_store = self._lookup_chunks(segs, namespace, stats, choice.chain_tag, bad)
         stored_mask = torch.zeros(num_tokens, dtype=torch.bool)
         stored_k, stored_v, loader = k_work, None, None  # k_work also holds the fresh rows' K
         if stored:
@@ -352,7 +373,7 @@ class Engine:
         ratios = [max(r, ratio) for r in ratios]  # shrinking schedule ending at the request's ratio
         return layers, tuple(num_to_keep(r, num_chunk_rows) for r in ratios)
 
-    def _lookup_prefix_chain(self, segs: Segments, namespace: str):
+    def _lookup_prefix_chain(self, segs: Segments, namespace: str, bad: set[str] = frozenset()):
         """Longest run of whole segments from the start whose exact-context KV is stored."""
         stored, to_store, parent, row, hit = [], [], None, 0, True
         for kind, seg_ids in segs.segment_list():
@@ -360,16 +381,17 @@ class Engine:
                 break
             key = make_prefix_key(self.fingerprint, parent, seg_ids, namespace)
             parent = key
-            reader = self._open(key, len(seg_ids)) if hit else None
+            reader = self._open(key, len(seg_ids), bad) if hit else None
             if reader is not None:
-                stored.append(_StoredSegment(row, reader, True))
+                stored.append(_StoredSegment(row, reader, True, key=key))
             else:
                 hit = False
                 to_store.append((key, row, row + len(seg_ids)))
             row += len(seg_ids)
         return stored, to_store
 
-    def _lookup_chunks(self, segs: Segments, namespace: str, stats: PrefillStats, chain_tag: str):
+    def _lookup_chunks(self, segs: Segments, namespace: str, stats: PrefillStats, chain_tag: str,
+                       bad: set[str] = frozenset()):
         """reuse / blend: the longest run of leading segments stored by an earlier request of the same
         mode and ratio (chained keys: that KV saw exactly these segments before it) is used as is;
         every later chunk comes by its position-independent key, computed alone now if missing (and
@@ -384,31 +406,34 @@ class Engine:
             key = make_prefix_key(self.fingerprint, parent, seg_ids,
                                   namespace if kind == "prefix" else f"{namespace}|{chain_tag}")
             parent = key
-            reader = self._open(key, len(seg_ids)) if chained else None
+            reader = self._open(key, len(seg_ids), bad) if chained else None
             if reader is not None:
                 stats.chunks_hit += int(kind == "chunk")
-                stored.append(_StoredSegment(row, reader, True, exact=True))
+                stored.append(_StoredSegment(row, reader, True, exact=True, key=key))
                 row += len(seg_ids)
                 continue
             chained = False
             if kind == "prefix" or reuse_chain:
                 to_store.append((key, row, row + len(seg_ids)))
             if kind == "chunk":
-                seg = self._chunk_segment(seg_ids, row, namespace, stats)
+                seg = self._chunk_segment(seg_ids, row, namespace, stats, bad)
                 if seg is not None:
                     stored.append(seg)
             row += len(seg_ids)
         return stored, to_store
 
-    def _chunk_segment(self, chunk_ids: list[int], row: int, namespace: str,
-                       stats: PrefillStats) -> _StoredSegment | None:
-        """The stored chunk, or None when missing: its rows are then computed in context, like the query."""
+    def _chunk_segment(self, chunk_ids: list[int], row: int, namespace: str, stats: PrefillStats,
+                       bad: set[str] = frozenset()) -> _StoredSegment | None:
+        """The stored chunk, or None when missing: its rows are then computed in context, like the
+        query. A chunk whose entry was damaged is computed alone now (never deferred), so it is used
+        exactly as its intact entry would have been: corruption costs time, never another answer."""
         key = self.chunk_key(chunk_ids, namespace)
-        reader = self._open(key, len(chunk_ids))
+        reader = self._open(key, len(chunk_ids), bad)
         if reader is not None:
             stats.chunks_hit += 1
-            return _StoredSegment(row, reader, True)
-        if self.config.defer_missing_chunks:
+            return _StoredSegment(row, reader, True, key=key)
+        damaged = key in bad or bool(getattr(self.store, "was_discarded", lambda _: False)(key))
+        if self.config.defer_missing_chunks and not damaged:
             self._deferred[key] = list(chunk_ids)
             return None
         kv = self._compute_chunk(chunk_ids)
@@ -431,8 +456,10 @@ class Engine:
                 done += 1
         return done
 
-    def _open(self, key: str, num_tokens: int) -> KVReader | None:
+    def _open(self, key: str, num_tokens: int, bad: set[str] = frozenset()) -> KVReader | None:
         """A reader for ``key`` if stored with the expected geometry; anything else is a miss."""
+        if key in bad:
+            return None
         reader = self.store.open(key)
         if reader is None:
             return None

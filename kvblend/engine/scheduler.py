@@ -27,8 +27,10 @@ from kvblend.engine.request import GenerationRequest, GenerationResult, PrefillS
 
 log = logging.getLogger(__name__)
 
-# Built on the worker thread, because building segments tokenizes (the tokenizer belongs to the engine).
+# Called on the worker thread when a callable is given; the server builds requests on a helper
+# thread instead (kvblend/server/backends.py) so tokenizing a large prompt never holds the worker.
 RequestBuilder = Callable[[Any], GenerationRequest]
+DEFERRED_SLICE = 2  # missing chunks computed per worker turn while sequences are decoding
 
 
 @dataclass
@@ -150,12 +152,14 @@ class Scheduler:
         try:
             while True:
                 with self._cond:
-                    while not self._stopping and not self._pending and not self._active:
+                    while not self._stopping and not self._pending and not self._active \
+                            and not self._has_deferred():
                         self._cond.wait()
                     if self._stopping:
                         break
                 self._admit()
                 self._step()
+                self._run_deferred()  # what prefills left: a slice a turn while others decode
         except BaseException as e:  # a bug in the engine loop: fail everyone loudly, not silently hang
             log.exception("scheduler %s died", self.name)
             self._fail_all(e)
@@ -175,8 +179,8 @@ class Scheduler:
         and done before a client that waits for this answer sends its next request. (Run later, when
         idle, it would land on the TTFT of a back-to-back client's next request.)"""
         if self._has_deferred():
-            try:
-                self.engine.run_deferred()
+            try:  # all at once only when nobody is decoding: a slice must not stall live streams
+                self.engine.run_deferred(None if not self._active else DEFERRED_SLICE)
             except Exception:  # a failed precompute only costs a later cache miss
                 log.exception("deferred chunk precompute failed")
 

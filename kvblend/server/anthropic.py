@@ -37,13 +37,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvblend.server import errors
 from kvblend.server.backends import Delta, Final, GenerationJob
+from kvblend.server.limits import until_disconnect
 from kvblend.server.schemas import Selection
 
 log = logging.getLogger(__name__)
-
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
-
 
 class ContentBlock(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -77,15 +74,6 @@ class MessagesRequest(BaseModel):
     selection: Selection | None = None
 
 
-def error_response(e: errors.APIError) -> JSONResponse:
-    return JSONResponse({"type": "error", "error": {"type": error_type(e.status), "message": e.message}},
-                        status_code=e.status, headers=e.headers)
-
-
-def error_type(status: int) -> str:
-    return _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-
-
 def anthropic_router(state) -> APIRouter:
     """``POST /v1/messages`` bound to the app's ``ServerState`` (auth, backends, metrics)."""
     router = APIRouter()
@@ -100,18 +88,18 @@ def anthropic_router(state) -> APIRouter:
             local_stops = not hasattr(backend, "forward")  # local engines: stop sequences matched here
             job = to_job(body, principal.namespace, send_stops=not local_stops)
             t0 = time.perf_counter()
-            gen = await backend.open(job)
+            gen = await until_disconnect(request, backend.open(job))  # a client gone: work stops
             stops = list(body.stop_sequences or []) if local_stops else []
             run = _Run(state, backend, gen, stops, body.stop_sequences or [], t0)
             if body.stream:
                 return StreamingResponse(run.sse(), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return JSONResponse(await run.message())
+            return JSONResponse(await until_disconnect(request, run.message()))
         except errors.APIError as e:
-            return error_response(e)
+            return errors.anthropic_error_response(e)
         except Exception:
             log.exception("/v1/messages failed")
-            return error_response(errors.internal_error())
+            return errors.anthropic_error_response(errors.internal_error())
 
     return router
 
@@ -320,7 +308,7 @@ class _Run:
                                            "usage": self.usage()})
             yield _event("message_stop", {"type": "message_stop"})
         except errors.APIError as e:  # headers are gone: Anthropic reports in-band with an error event
-            yield _event("error", {"type": "error", "error": {"type": error_type(e.status), "message": e.message}})
+            yield _event("error", {"type": "error", "error": {"type": errors.anthropic_error_type(e.status), "message": e.message}})
         except Exception:
             log.exception("/v1/messages stream failed")
             e = errors.internal_error()

@@ -24,6 +24,8 @@ from kvblend.server import errors
 from kvblend.server.auth import Authenticator, Principal
 from kvblend.server.backends import Backend, Delta, Final, GenerationJob, document_id
 from kvblend.server.factory import create_backends, create_store
+from kvblend.server.limits import has_valid_key, install_gate
+from kvblend.server.openapi import install_openapi
 from kvblend.server.anthropic import anthropic_router
 from kvblend.server.metrics import Metrics
 from kvblend.server.schemas import (
@@ -64,7 +66,11 @@ class ServerState:
             raise errors.unavailable("the server is still loading its models", self.config.retry_after_s)
         if model is None and len(self.by_id) == 1:
             return next(iter(self.by_id.values()))
-        backend = self.by_id.get(model or "")
+        if not model:  # several models served: the caller must say which
+            served = ", ".join(sorted(self.by_id))
+            raise errors.invalid_request(f"Missing required parameter: 'model' (one of: {served}).",
+                                         "model", "missing_required_parameter")
+        backend = self.by_id.get(model)
         if backend is None:
             raise errors.model_not_found(str(model), sorted(self.by_id))
         return backend
@@ -102,14 +108,18 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
     app.state.kvblend = state
     errors.install_error_handlers(app)
     app.include_router(anthropic_router(state))  # POST /v1/messages (Anthropic-shaped errors of its own)
+    install_gate(app, state)  # drain 503 > auth 401 > 413 > JSON 400, before any route (limits.py)
+    install_openapi(app)  # /openapi.json as the server behaves (openapi.py)
     app.add_middleware(_RequestMetricsMiddleware, metrics=state.metrics)
     auth = Depends(state.auth)
 
     @app.get("/health", response_model=Health, responses=ERROR_RESPONSES)
-    async def health() -> Any:
-        if not state.ready:
-            raise errors.unavailable("loading models")
-        upstreams = await upstream_health(state.by_id.values()) or None  # short timeout, cached briefly
+    async def health(request: Request) -> Any:
+        if not state.ready or state.lifecycle.draining:
+            raise errors.unavailable("draining for shutdown" if state.ready else "loading models")
+        # hosts, ports and upstream model names only for callers with a key (or with auth off)
+        detailed = has_valid_key(state, request)
+        upstreams = await upstream_health(state.by_id.values(), detailed) or None
         degraded = any(not u.get("reachable") for u in (upstreams or {}).values())
         attention = {i: {"kernel": e.attention_kernel, "reason": getattr(e, "attention_kernel_reason", None)}
                      for i, b in state.by_id.items() if hasattr(e := getattr(b, "engine", None), "attention_kernel")}

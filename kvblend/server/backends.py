@@ -21,6 +21,7 @@ from kvblend.config import ModelEntry, ServerConfig, parse_selection
 from kvblend.engine.request import GenerationRequest, GenerationResult, PrefillStats, SamplingParams, TokenEvent
 from kvblend.engine.scheduler import Failed, QueueFullError, Scheduler, SchedulerClosedError, Started
 from kvblend.server import errors
+from kvblend.server.limits import check_chunk_sizes, check_num_documents, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +92,16 @@ class PromptTooLong(ValueError):
         self.requested = requested
 
 
-def build_request(engine, job: GenerationJob, default_max_tokens: int) -> GenerationRequest:
-    """Runs on the worker thread: tokenizes, checks the context window, fixes max_tokens."""
+def build_request(engine, job: GenerationJob, default_max_tokens: int,
+                  max_documents: int = 1 << 30) -> GenerationRequest:
+    """Tokenizes, checks the context window and chunk count, fixes max_tokens. Runs on a helper
+    thread, not the model's worker: only the tokenizer is touched (its fast encode is safe across
+    threads), so a huge prompt's tokenization never stalls other tenants' decode steps."""
     if job.messages is not None:
         segs = engine.segments_from_messages(job.messages, documents=job.documents or None)
     else:
         segs = build_completion_segments(engine.tokenizer, job.prompt if job.prompt is not None else "", job.documents)
+    check_num_documents(len(segs.chunk_ids), max_documents)
     n, limit = segs.num_tokens, int(engine.max_context_len)
     if n >= limit:
         raise PromptTooLong(n, limit)
@@ -214,9 +219,19 @@ class LocalBackend:
         def sink(ev) -> None:  # worker thread -> this request's queue, never blocking the worker
             loop.call_soon_threadsafe(queue.put_nowait, ev)
 
-        default_max = self.config.default_max_tokens
+        engine, config = self.engine, self.config
+        check_num_documents(len(job.documents), config.max_documents)
+        check_token_ids(job.prompt, getattr(engine, "vocab_size", None))
+        scheduler = self._scheduler()
         try:
-            handle = self._scheduler().submit(lambda engine: build_request(engine, job, default_max), sink)
+            req = await asyncio.to_thread(build_request, engine, job, config.default_max_tokens,
+                                          config.max_documents)
+        except errors.APIError:
+            raise
+        except Exception as e:
+            raise map_engine_error(e) from None
+        try:
+            handle = scheduler.submit(req, sink)
         except QueueFullError as e:
             raise errors.queue_full(e.retry_after_s, e.depth) from None
         except SchedulerClosedError as e:
@@ -232,20 +247,35 @@ class LocalBackend:
         return LocalStream(handle, queue, first.stats)
 
     async def precompute(self, documents: list[str], namespace: str) -> list[dict]:
-        def run(engine) -> list[dict]:
-            ids = [engine.segments(documents=[d], question="").chunk_ids[0] for d in documents]
-            return list(engine.precompute(ids, namespace=namespace))
-
+        """Tokenized on a helper thread; computed on the worker a slice at a time, so other
+        requests' steps run between slices. Cancelling the caller stops before the next slice."""
+        check_num_documents(len(documents), self.config.max_documents)
+        engine = self.engine
         try:
-            fut = self._scheduler().call(run)
-        except QueueFullError as e:
-            raise errors.queue_full(e.retry_after_s, e.depth) from None
-        try:
-            return await asyncio.wrap_future(fut)
-        except errors.APIError:
-            raise
+            ids = await asyncio.to_thread(
+                lambda: [engine.segments(documents=[d], question="").chunk_ids[0]
+                         for d in documents])
         except Exception as e:
             raise map_engine_error(e) from None
+        check_chunk_sizes(ids, getattr(engine, "max_chunk_tokens", lambda: None)())
+        out: list[dict] = []
+        step = self.config.precompute_slice
+        for i in range(0, len(ids), step):
+            part = ids[i:i + step]
+            try:
+                fut = self._scheduler().call(
+                    lambda e, part=part: list(e.precompute(part, namespace=namespace)))
+            except QueueFullError as e:
+                raise errors.queue_full(e.retry_after_s, e.depth) from None
+            except SchedulerClosedError as e:
+                raise errors.unavailable(str(e), self.config.retry_after_s) from None
+            try:
+                out += await asyncio.wrap_future(fut)
+            except errors.APIError:
+                raise
+            except Exception as e:
+                raise map_engine_error(e) from None
+        return out
 
 
 def document_id(text: str) -> str:

@@ -27,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, help="waiting requests per model before 429")
     p.add_argument("--max-batch", type=int, help="sequences decoded together per model")
     p.add_argument("--default-max-tokens", type=int, help="completion limit when a request sets none")
+    p.add_argument("--max-body-bytes", type=int,
+                   help="request bodies over this get 413 (default 8 MiB)")
+    p.add_argument("--drain-timeout", type=float, dest="drain_timeout_s",
+                   help="seconds live requests get to finish after SIGTERM (default 30)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
 
 
@@ -72,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     base = load_server_config(args.config)
     overrides = {"host": args.host, "port": args.port, "max_queue": args.max_queue, "max_batch": args.max_batch,
                  "default_max_tokens": args.default_max_tokens,
+                 "max_body_bytes": args.max_body_bytes,
+                 "drain_timeout_s": args.drain_timeout_s,
                  "models": _model_override(args, base.models)}
     if args.api_key:
         overrides["api_keys"] = [{"key": k, "name": f"cli{i}"} for i, k in enumerate(args.api_key)] + [
@@ -80,15 +86,13 @@ def run(args: argparse.Namespace) -> int:
     if not config.api_keys and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s with no API keys: anyone who can reach it can use it", config.host)
     sock = bind_socket(config.host, config.port)  # before the heavy imports: a busy port fails at once
-    import uvicorn
-
     from kvblend.server.app import create_app
+    from kvblend.server.shutdown import serve
     from kvblend.server.summary import startup_summary
 
     def on_ready(backends) -> None:
         print(startup_summary(config, backends, _url(sock)), file=sys.stderr, flush=True)
 
     app = create_app(config, on_ready=on_ready)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
-    server.run(sockets=[sock])
+    serve(app, config, args.log_level, sockets=[sock])  # SIGTERM drains live requests first
     return 0

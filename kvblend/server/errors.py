@@ -86,6 +86,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
                                "aren't using your HTTP library correctly.)")
     param = _loc_to_param(tuple(first.get("loc", ())))
     msg = str(first.get("msg", "invalid value"))
+    if first.get("type") == "missing" and param is None:
+        return invalid_request("The request body is empty; send a JSON object with the request's "
+                               "parameters.", None, "empty_body")
     if first.get("type") == "missing":
         return invalid_request(f"Missing required parameter: {param!r}.", param, "missing_required_parameter")
     if param is None:
@@ -113,3 +116,18 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unhandled(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return internal_error().response()
+
+
+# --- Anthropic's shape (/v1/messages): {"type": "error", "error": {"type", "message"}} ---------
+
+_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
+
+
+def anthropic_error_response(e: APIError) -> JSONResponse:
+    return JSONResponse({"type": "error", "error": {"type": anthropic_error_type(e.status), "message": e.message}},
+                        status_code=e.status, headers=e.headers)
+
+
+def anthropic_error_type(status: int) -> str:
+    return _ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
 from kvblend.config import parse_selection
 
@@ -23,7 +23,9 @@ def _valid_selection(text: str) -> str:
 
 
 # blend's token selection (kvblend.config.SELECTION_KINDS), or "lookahead:N"
-Selection = Annotated[str, AfterValidator(_valid_selection)]
+SELECTION_PATTERN = r"^(deviation|query|lookahead(:[0-9]{1,4})?)$"
+Selection = Annotated[str, AfterValidator(_valid_selection),
+                      WithJsonSchema({"type": "string", "pattern": SELECTION_PATTERN})]
 
 
 class _Request(BaseModel):
@@ -63,8 +65,8 @@ class _Sampling(_Request):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int | None = Field(default=None, ge=1, le=128)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # torch.Generator's range
+    n: int | None = Field(default=None, ge=1, le=1)  # one choice per request: send n requests
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # Accepted and ignored, as documented for servers that do not implement them.
@@ -86,7 +88,7 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] = Field(min_length=0)
     echo: bool | None = False
-    best_of: int | None = Field(default=None, ge=1, le=20)
+    best_of: int | None = Field(default=None, ge=1, le=1)
 
 
 class ChunksRequest(_Request):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -73,6 +74,7 @@ class UpstreamBackend:
         self.upstream_model = entry.upstream_model or entry.id
         self._transport = transport  # tests: httpx.MockTransport
         self._key = ""
+        self._redactor = Redactor("")
         self._client: httpx.AsyncClient | None = None
         self._inflight = 0
         self._health: tuple[float, dict] | None = None
@@ -86,6 +88,7 @@ class UpstreamBackend:
     def start(self) -> None:
         if self.entry.api_key_env:
             self._key = read_secret_env(self.entry.api_key_env)
+            self._redactor = Redactor(self._key)
             if not self._key:
                 raise ValueError(f"model {self.id!r}: environment variable {self.entry.api_key_env} "
                                  "(its api_key_env) is not set or empty")
@@ -149,8 +152,9 @@ class UpstreamBackend:
 
     def unreachable_error(self, exc: BaseException | None, attempts: int = 1) -> errors.APIError:
         tries = f" after {attempts} attempts" if attempts > 1 else ""
-        return errors.APIError(502, f"{self.label} is unreachable: {_reason(exc)}{tries}.", "server_error", None,
-                               "upstream_unreachable")
+        why = self._redact(_reason(exc))
+        return errors.APIError(502, f"{self.label} is unreachable: {why}{tries}.", "server_error",
+                               None, "upstream_unreachable")
 
     def timeout_error(self, exc: BaseException | None, attempts: int = 1) -> errors.APIError:
         what = "connecting" if isinstance(exc, httpx.ConnectTimeout) else "waiting for a response"
@@ -161,13 +165,13 @@ class UpstreamBackend:
                                None, "upstream_timeout")
 
     def transport_error(self, exc: BaseException) -> errors.APIError:
-        return errors.APIError(502, f"{self.label} failed mid-request: {_reason(exc)}.", "server_error", None,
-                               "upstream_error")
+        why = self._redact(_reason(exc))
+        return errors.APIError(502, f"{self.label} failed mid-request: {why}.", "server_error",
+                               None, "upstream_error")
 
     def status_error(self, status: int, content: bytes, headers: httpx.Headers | dict) -> errors.APIError:
         """An upstream HTTP error status -> the error the gateway's client gets (see the module table)."""
-        msg, param, code = _upstream_error(content)
-        msg = self._redact(msg)
+        msg, param, code = _upstream_error(content, self._redact)  # masked before it is cut short
         detail = f"HTTP {status}: {msg}" if msg else f"HTTP {status}"
         retry = {"Retry-After": headers["retry-after"]} if "retry-after" in headers else {}
         if status in (401, 403):
@@ -195,7 +199,7 @@ class UpstreamBackend:
         return errors.APIError(502, f"{self.label} failed ({detail}).", "server_error", None, "upstream_error")
 
     def _redact(self, text: str) -> str:
-        return text.replace(self._key, "***") if self._key and text else text
+        return self._redactor.text(text)
 
     # --- pass-through (OpenAI endpoints) --------------------------------------------------------
 
@@ -242,6 +246,7 @@ class UpstreamBackend:
         except ValueError:
             raise errors.APIError(502, f"{self.label} returned a body that is not JSON (HTTP {status}).",
                                   "server_error", None, "upstream_error") from None
+        obj = self._redactor.obj(obj)  # no byte of the upstream key goes back, whatever field
         if isinstance(obj, dict):
             if "model" in obj:
                 obj["model"] = self.id
@@ -250,32 +255,33 @@ class UpstreamBackend:
         return JSONResponse(obj, status_code=status)
 
     async def _relay(self, resp: httpx.Response, t0: float, metrics) -> AsyncIterator[str]:
-        """SSE events as they arrive, ``model`` rewritten; a broken upstream ends the stream with an error event."""
-        first, usage, lines = True, None, []
+        """SSE events as they arrive, rebuilt from their parsed JSON (``model`` rewritten, every
+        string masked): nothing the upstream wrote goes out verbatim. Comments, ``event:`` / ``id:``
+        lines and non-JSON data are dropped. A broken upstream ends the stream with an error."""
+        first, usage = True, None
         try:
             async for line in resp.aiter_lines():
-                if line == "":  # event boundary: flush this event now
-                    if lines:
-                        yield "\n".join(lines) + "\n\n"
-                        lines = []
+                if not line.startswith("data:"):
                     continue
-                if line.startswith("data:"):
-                    obj = _json_or_none(line[5:].strip())
-                    if isinstance(obj, dict):
-                        if "model" in obj:
-                            obj["model"] = self.id
-                        if first and _has_text(obj):
-                            first = False
-                            if metrics is not None:
-                                metrics.ttft.labels(self.id).observe(time.perf_counter() - t0)
-                        if isinstance(obj.get("usage"), dict):
-                            usage = obj["usage"]
-                        if isinstance(obj.get("error"), dict) and obj["error"].get("message"):
-                            obj["error"]["message"] = f"{self.label}: {self._redact(str(obj['error']['message']))}"
-                        line = "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-                lines.append(line)
-            if lines:
-                yield "\n".join(lines) + "\n\n"
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    yield "data: [DONE]\n\n"
+                    continue
+                obj = _json_or_none(payload)
+                if not isinstance(obj, dict):
+                    continue
+                obj = self._redactor.obj(obj)
+                if "model" in obj:
+                    obj["model"] = self.id
+                if first and _has_text(obj):
+                    first = False
+                    if metrics is not None:
+                        metrics.ttft.labels(self.id).observe(time.perf_counter() - t0)
+                if isinstance(obj.get("usage"), dict):
+                    usage = obj["usage"]
+                if isinstance(obj.get("error"), dict) and obj["error"].get("message"):
+                    obj["error"]["message"] = f"{self.label}: {obj['error']['message']}"
+                yield "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n\n"
         except httpx.TimeoutException as e:
             yield _sse_error(self.timeout_error(e))
         except httpx.HTTPError as e:
@@ -320,10 +326,27 @@ class UpstreamBackend:
                 finally:
                     await resp.aclose()
                 raise self.status_error(resp.status_code, content, resp.headers)
+            if "text/event-stream" not in resp.headers.get("content-type", ""):
+                # an upstream that ignores stream: true answers with one JSON body: use it whole
+                try:
+                    content = await resp.aread()
+                finally:
+                    await resp.aclose()
+                body = self._completion_body(resp.status_code, content)
+                return UpstreamStream(self, resp, chat, body=body)
         except BaseException:
             self._inflight -= 1
             raise
         return UpstreamStream(self, resp, chat)
+
+    def _completion_body(self, status: int, content: bytes) -> dict:
+        """A non-streamed chat / completion body, masked; 502 if it is not one."""
+        obj = _json_or_none(content.decode("utf-8", "replace")) if content else None
+        if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
+            raise errors.APIError(502, f"{self.label} returned neither an event stream nor a "
+                                  f"completion (HTTP {status}).", "server_error", None,
+                                  "upstream_error")
+        return self._redactor.obj(obj)
 
     # --- health ------------------------------------------------------------------------------------
 
@@ -343,7 +366,7 @@ class UpstreamBackend:
         except httpx.TimeoutException:
             out.update(reachable=False, error=f"no answer within {HEALTH_TIMEOUT_S:g}s")
         except httpx.HTTPError as e:
-            out.update(reachable=False, error=_reason(e))
+            out.update(reachable=False, error=self._redact(_reason(e)))
         self._health = (time.monotonic(), out)
         return out
 
@@ -351,10 +374,12 @@ class UpstreamBackend:
 class UpstreamStream:
     """One streamed upstream chat/completion as ``Delta`` events and a closing ``Final``."""
 
-    def __init__(self, backend: UpstreamBackend, resp: httpx.Response, chat: bool):
+    def __init__(self, backend: UpstreamBackend, resp: httpx.Response, chat: bool,
+                 body: dict | None = None):
         self.backend = backend
         self._resp = resp
         self._chat = chat
+        self._body = body  # the whole answer, when the upstream did not stream
         self._done = False
         self.matched_stop: str | None = None  # vLLM-style choices[0].stop_reason, when the upstream sends it
 
@@ -372,6 +397,10 @@ class UpstreamStream:
                 pass
 
     async def events(self) -> AsyncIterator[BackendEvent]:
+        if self._body is not None:
+            async for ev in self._body_events():
+                yield ev
+            return
         b = self.backend
         text: list[str] = []
         finish, usage, chunks = None, None, 0
@@ -415,6 +444,27 @@ class UpstreamStream:
                     u.get("kvblend") if isinstance(u.get("kvblend"), dict) else None)
 
 
+    async def _body_events(self) -> AsyncIterator[BackendEvent]:
+        self._finish()
+        obj = self._body
+        choice = next((c for c in obj["choices"] if isinstance(c, dict)), {})
+        if self._chat:
+            piece = (choice.get("message") or {}).get("content") or ""
+        else:
+            piece = choice.get("text") or ""
+        piece = piece if isinstance(piece, str) else ""
+        if isinstance(choice.get("stop_reason"), str):
+            self.matched_stop = choice["stop_reason"]
+        if piece:
+            yield Delta(piece)
+        u = obj.get("usage") if isinstance(obj.get("usage"), dict) else {}
+        details = u.get("prompt_tokens_details") or {}
+        completion = int(u.get("completion_tokens") or (1 if piece else 0))
+        yield Final(choice.get("finish_reason") or "stop", int(u.get("prompt_tokens") or 0),
+                    completion, int(details.get("cached_tokens") or 0), piece,
+                    u.get("kvblend") if isinstance(u.get("kvblend"), dict) else None)
+
+
 # --- helpers for the app -------------------------------------------------------------------------
 
 def upstream_for(state, model: str | None) -> UpstreamBackend | None:
@@ -425,9 +475,16 @@ def upstream_for(state, model: str | None) -> UpstreamBackend | None:
     return backend if isinstance(backend, UpstreamBackend) else None
 
 
-async def upstream_health(backends) -> dict[str, dict]:
+PUBLIC_HEALTH_FIELDS = ("reachable", "status", "latency_ms")
+
+
+async def upstream_health(backends, detailed: bool = False) -> dict[str, dict]:
+    """Per upstream id its probe; without ``detailed`` (a caller with no key) only whether it
+    answers: never its host, port, upstream model name or error text."""
     ups = [b for b in backends if isinstance(b, UpstreamBackend)]
     results = await asyncio.gather(*(b.probe() for b in ups))
+    if not detailed:
+        results = [{k: r[k] for k in PUBLIC_HEALTH_FIELDS if k in r} for r in results]
     return {b.id: r for b, r in zip(ups, results)}
 
 
@@ -449,21 +506,58 @@ def _reason(exc: BaseException | None) -> str:
     return f"{type(first).__name__}: {str(first)[:120]}" if first is not None else "unknown error"
 
 
-def _upstream_error(content: bytes) -> tuple[str, str | None, str | None]:
-    """(message, param, code) from an OpenAI- or Anthropic-shaped error body, or its text."""
+def _upstream_error(content: bytes, redact=lambda t: t) -> tuple[str, str | None, str | None]:
+    """(message, param, code) from an OpenAI- or Anthropic-shaped error body, or its text; every
+    part goes through ``redact`` before it is shortened, so a cut never leaves part of a key."""
     try:
         body = json.loads(content)
-    except ValueError:
-        return content.decode("utf-8", "replace").strip()[:200], None, None
+    except (ValueError, RecursionError):
+        return redact(content.decode("utf-8", "replace").strip())[:200], None, None
     if isinstance(body, dict):
         err = body.get("error", body)
         if isinstance(err, dict):
             msg = err.get("message") or err.get("detail") or ""
-            param = err.get("param") if isinstance(err.get("param"), str) else None
-            code = err.get("code") if isinstance(err.get("code"), str) else None
-            return str(msg)[:300], param, code
-        return str(err)[:300], None, None
-    return str(body)[:300], None, None
+            param = redact(err["param"])[:200] if isinstance(err.get("param"), str) else None
+            code = redact(err["code"])[:100] if isinstance(err.get("code"), str) else None
+            return redact(str(msg))[:300], param, code
+        return redact(str(err))[:300], None, None
+    return redact(str(body))[:300], None, None
+
+
+class Redactor:
+    """Masks a secret in text and in every string (keys included) of a parsed JSON value.
+
+    Besides the whole key, any word holding ``WINDOW`` consecutive characters of it is masked whole,
+    so a key cut short, or shown as a prefix and a suffix (``sk-abc...wxyz``), leaks nothing either.
+    """
+
+    WINDOW = 8
+    MASK = "***"
+
+    def __init__(self, key: str):
+        self.key = key
+        n = min(self.WINDOW, len(key))
+        self._windows = {key[i:i + n] for i in range(len(key) - n + 1)} if key else set()
+
+    def text(self, s: str) -> str:
+        if not self.key or not s:
+            return s
+        s = s.replace(self.key, self.MASK)
+        if not any(w in s for w in self._windows):
+            return s
+        return re.sub(r"\S+", lambda m: self.MASK if any(w in m.group(0) for w in self._windows)
+                      else m.group(0), s)
+
+    def obj(self, value: Any) -> Any:
+        if not self.key:
+            return value
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, list):
+            return [self.obj(v) for v in value]
+        if isinstance(value, dict):
+            return {self.text(str(k)): self.obj(v) for k, v in value.items()}
+        return value
 
 
 def _json_or_none(text: str):

@@ -36,6 +36,17 @@ class KVStore(ABC):
         kv = self.get(key)
         return TensorReader(kv) if kv is not None else None
 
+    def max_entry_bytes(self) -> int | None:
+        """The largest entry this store can keep (None: no limit of its own)."""
+        return None
+
+    def was_discarded(self, key: str) -> bool:
+        """True if ``key`` was stored but dropped as corrupt or truncated (recently; bounded).
+
+        Lets the engine recompute such a chunk at once, exactly as a hit would have been used,
+        instead of treating it as a cold miss: a damaged entry must never change an answer."""
+        return False
+
     def stats(self) -> dict:
         return {}
 
@@ -56,3 +67,28 @@ class KVStore(ABC):
 
     def close(self) -> None:
         """Release threads, files and connections. Idempotent."""
+
+
+class DiscardedKeys:
+    """The last ``limit`` keys a tier dropped as corrupt (set / deque ops: atomic under the GIL)."""
+
+    def __init__(self, limit: int = 4096):
+        import collections
+
+        self._order: collections.deque[str] = collections.deque(maxlen=limit)
+        self._keys: set[str] = set()
+
+    def add(self, key: str) -> None:
+        if key in self._keys:
+            return
+        if len(self._order) == self._order.maxlen:
+            self._keys.discard(self._order[0])
+        self._order.append(key)
+        self._keys.add(key)
+
+    def forget(self, key: str) -> None:
+        """Stored again, intact: a later miss is an ordinary miss."""
+        self._keys.discard(key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys

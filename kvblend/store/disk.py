@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-from kvblend.store.base import ChunkKV, KVStore
+from kvblend.store.base import ChunkKV, DiscardedKeys, KVStore
 from kvblend.store.lru import LRUIndex
 from kvblend.store.reader import BlobReader, KVReader
 from kvblend.store.serializer import CorruptKVError, deserialize, read_header, serialize_parts
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".kvb"
 TMP_PREFIX = ".tmp-"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 STALE_TMP_S = 600  # older temp files are leftovers of a crashed writer; younger ones may be in flight
 
 
@@ -42,6 +44,7 @@ class DiskStore(KVStore):
         self._lru = LRUIndex(max_bytes)
         self._lock = threading.Lock()  # guards the index and every unlink/rename, so both stay in step
         self._stats = TierStats()
+        self._discarded = DiscardedKeys()
         self._scan()
 
     # -- paths -----------------------------------------------------------------------------------
@@ -81,6 +84,7 @@ class DiskStore(KVStore):
 
     def _discard_corrupt(self, key: str, why: str) -> None:
         log.warning("disk KV entry %s is corrupt (%s); deleted", key[:24], why)
+        self._discarded.add(key)
         with self._lock:
             self._lru.remove(key)
             _unlink(self.path(key))
@@ -125,6 +129,9 @@ class DiskStore(KVStore):
     def contains(self, key: str) -> bool:
         return self.path(key).exists()
 
+    def was_discarded(self, key: str) -> bool:
+        return key in self._discarded
+
     def open(self, key: str) -> KVReader | None:
         """Reader doing one ``pread`` per layer on a file descriptor held open, so a concurrent
         replace or eviction cannot mix two files: the reader keeps seeing the inode it opened."""
@@ -167,19 +174,45 @@ class DiskStore(KVStore):
         except OSError as e:
             self._io_error("stat", key, e)
             return
+        for attempt in range(2):
+            try:
+                self._write_new(key, parts, size)
+                break
+            except OSError as e:
+                # The device filled before the byte budget did: free the least recently used entries
+                # and try once more, so the tier keeps working instead of failing every later write.
+                if attempt or e.errno not in _NO_SPACE or not self._free_space(2 * size):
+                    self._io_error("write", key, e)
+                    return
+                log.warning("disk KV tier: %s; evicted least recently used entries to make room", e)
+        self._discarded.forget(key)
+        self._stats.inc("writes")
+
+    def _write_new(self, key: str, parts: list, size: int) -> None:
         tmp = self.dir / f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
         try:
             self._write_file(tmp, parts)
             with self._lock:
-                os.replace(tmp, path)
+                os.replace(tmp, self.path(key))
                 self._evict_locked(self._lru.add(key, size))
             if self.fsync:
                 _fsync_dir(self.dir)
-        except OSError as e:
+        except OSError:
             _unlink(tmp)
-            self._io_error("write", key, e)
-            return
-        self._stats.inc("writes")
+            raise
+
+    def _free_space(self, nbytes: int) -> bool:
+        """Evict LRU entries until ``nbytes`` are freed or none is left; True if any was freed."""
+        freed, evicted = 0, []
+        with self._lock:
+            for old in self._lru.keys():
+                if freed >= nbytes:
+                    break
+                freed += self._lru.remove(old)
+                evicted.append(old)
+            self._evict_locked(evicted)
+        self._stats.inc("no_space")
+        return bool(evicted)
 
     def _note_existing(self, key: str, size: int) -> None:
         with self._lock:
@@ -216,6 +249,9 @@ class DiskStore(KVStore):
             for k in self._lru.keys():
                 self._lru.remove(k)
         return n
+
+    def max_entry_bytes(self) -> int | None:
+        return self._lru.budget  # an entry over the whole budget is never stored
 
     def stats(self) -> dict:
         with self._lock:

@@ -74,6 +74,9 @@ class MemoryStore(KVStore):
                 self._lru.remove(k)
         return n
 
+    def max_entry_bytes(self) -> int | None:
+        return self._lru.budget  # an entry over the whole budget is never stored
+
     def stats(self) -> dict:
         with self._lock:
             entries, nbytes = len(self._data), self._lru.nbytes

@@ -122,6 +122,7 @@ class BlobReader(KVReader):
         self._on_done: Callable[[list[bytes]], None] | None = None
         self._parts: dict[int, bytes] | None = None
         self._closed = False
+        self.failed = False  # a read raised KVReadError: the engine recomputes this entry
 
     def read_layer_bytes_into(self, layer: int, k_out: np.ndarray, v_out: np.ndarray) -> None:
         if self._closed:  # the fd / connection behind ``fetch`` may already belong to something else
@@ -131,9 +132,11 @@ class BlobReader(KVReader):
             raw = self._fetch(off, n)
             copy_layer_bytes_into(self.header, layer, raw, k_out, v_out)
         except CorruptKVError as e:
+            self.failed = True
             self._corrupt()
             raise KVReadError(str(e)) from e
         except (OSError, ValueError) as e:  # file closed / vanished, remote down (tiers map theirs to OSError)
+            self.failed = True
             raise KVReadError(f"layer {layer}: {e}") from e
         self._collect(layer, raw)
 

@@ -21,7 +21,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvblend.store.base import ChunkKV, KVStore
+from kvblend.store.base import ChunkKV, DiscardedKeys, KVStore
 from kvblend.store.reader import BlobReader, KVReader
 from kvblend.store.serializer import HEADER_PROBE, CorruptKVError, deserialize, read_header, serialize
 from kvblend.store.stats import TierStats
@@ -45,6 +45,7 @@ class RedisStore(KVStore):
         self._client = redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
                                             retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
         self._stats = TierStats()
+        self._discarded = DiscardedKeys()
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._failures = 0
@@ -111,6 +112,9 @@ class RedisStore(KVStore):
         self._stats.inc("hits")
         return kv
 
+    def was_discarded(self, key: str) -> bool:
+        return key in self._discarded
+
     def contains(self, key: str) -> bool:
         try:
             return bool(self._call(lambda c: c.exists(self.rkey(key))))
@@ -160,6 +164,7 @@ class RedisStore(KVStore):
     def _discard_corrupt(self, key: str, why: str) -> None:
         log.warning("redis KV entry %s is corrupt (%s); deleted", key[:24], why)
         self._stats.inc("corrupt")
+        self._discarded.add(key)
         try:
             self._call(lambda c: c.unlink(self.rkey(key)))
         except RemoteUnavailable:

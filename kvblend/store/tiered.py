@@ -58,6 +58,13 @@ class TieredStore(KVStore):
     def contains(self, key: str) -> bool:
         return any(t.contains(key) for t in self.tiers)
 
+    def max_entry_bytes(self) -> int | None:
+        limits = [t.max_entry_bytes() for t in self.tiers]
+        return None if any(n is None for n in limits) else max(limits)
+
+    def was_discarded(self, key: str) -> bool:
+        return any(t.was_discarded(key) for t in self.tiers)
+
     def open(self, key: str) -> KVReader | None:
         """Reader from the first tier holding ``key``. A streamed hit from a lower tier is promoted
         once the reader has delivered every layer, from the bytes it already fetched (no refetch)."""

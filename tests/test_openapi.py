@@ -1,0 +1,63 @@
+"""Issue 33 F12: /openapi.json matches the server, and a bounded schemathesis sample finds no 5xx and no
+response outside the schema. The 50,000-request run is ``scripts/fuzz_api.py`` against a real server."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvblend.server.schemas import SELECTION_PATTERN
+from test_reliability import KEY, make_client
+
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, settings  # noqa: E402  (schemathesis brings hypothesis)
+from schemathesis.checks import (  # noqa: E402
+    content_type_conformance, not_a_server_error, response_schema_conformance, status_code_conformance)
+
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+
+
+def _engine():
+    from test_server_unit import FakeEngine
+
+    engine = FakeEngine()
+    engine.vocab_size = 100
+    return engine
+
+
+def test_openapi_documents_what_the_server_does():
+    with make_client() as c:
+        spec = c.get("/openapi.json").json()
+    paths, schemas = spec["paths"], spec["components"]["schemas"]
+    messages = paths["/v1/messages"]["post"]
+    assert messages["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/MessagesRequest"}
+    assert {"model", "max_tokens", "messages"} <= set(schemas["MessagesRequest"]["required"])
+    assert spec["components"]["securitySchemes"]["bearerAuth"] == {"type": "http", "scheme": "bearer"}
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
+        op = paths[path]["post"]
+        assert "422" not in op["responses"] and {"400", "401", "413", "502", "504"} <= set(op["responses"])
+        assert "text/event-stream" in op["responses"]["200"]["content"] and op["security"]
+    assert "security" not in paths["/health"]["get"]
+    sampling = schemas["ChatCompletionRequest"]["properties"]
+    assert any(s.get("maximum") == 1 for s in sampling["n"]["anyOf"])
+    assert any(s.get("pattern") == SELECTION_PATTERN for s in sampling["selection"]["anyOf"])
+    assert any(s.get("maximum") == 1 for s in schemas["CompletionRequest"]["properties"]["best_of"]["anyOf"])
+
+
+_CLIENT = make_client(_engine())
+_CLIENT.__enter__()  # lifespan started once for the module; closed in the fixture below
+schema = schemathesis.openapi.from_asgi("/openapi.json", _CLIENT.app)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_client():
+    yield
+    _CLIENT.__exit__(None, None, None)
+
+
+@schema.parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+def test_schemathesis_sample(case):
+    """25 generated requests per operation (about 300 in all, a few seconds)."""
+    case.headers = {**(case.headers or {}), "Authorization": f"Bearer {KEY}"}
+    case.call_and_validate(checks=CHECKS)
