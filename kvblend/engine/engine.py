@@ -19,8 +19,8 @@ import torch
 from kvblend.blend.blender import KVCache, PrefillPlan, run_prefill
 from kvblend.blend.buffers import BufferPool, typed_view
 from kvblend.blend.rope import apply_rope, halves_repeat
-from kvblend.blend.segmenter import (CHUNK_SEPARATOR, Segments, build_segments, build_segments_from_parts,
-                                     encode, render_template_halves, split_plain_text)
+from kvblend.blend.segmenter import (Segments, build_segments, build_segments_from_messages, encode,
+                                     render_template_halves)
 from kvblend.blend.selection import num_to_keep, select_top_tokens
 from kvblend.config import EngineConfig, validate_lookahead_layers, validate_mode, validate_ratio, validate_selection
 from kvblend.engine.request import (GenerationRequest, GenerationResult, PrefillStats,
@@ -138,24 +138,8 @@ class Engine:
         return build_segments(self.tokenizer, documents, question, instruction, system)
 
     def segments_from_messages(self, messages: list[dict], documents: list[str] | None = None) -> Segments:
-        """OpenAI chat messages -> segments. Chunks come from, in order of precedence: ``documents``
-        (each + a blank line, before the last user message's text); a last user message given as an
-        array of text parts (every part but the last is a chunk); or its plain text, split at blank
-        lines (every piece but the last is a chunk)."""
-        if not messages or messages[-1].get("role") != "user":
-            raise ValueError("messages must end with a user message")
-        history = [{"role": m["role"], "content": _content_text(m.get("content"))} for m in messages[:-1]]
-        content = messages[-1].get("content")
-        if documents:
-            chunks = [d + CHUNK_SEPARATOR for d in documents if d]
-            query = _content_text(content)
-        elif isinstance(content, list):
-            parts = [_part_text(p) for p in content]
-            parts = [p for p in parts if p]
-            chunks, query = parts[:-1], (parts[-1] if parts else "")
-        else:
-            chunks, query = split_plain_text(content or "")
-        return build_segments_from_parts(self.tokenizer, chunks, query, history=history)
+        """OpenAI chat messages -> segments (``segmenter.build_segments_from_messages``)."""
+        return build_segments_from_messages(self.tokenizer, messages, documents)
 
     # ---- chunk precompute ----------------------------------------------------------------------
     def chunk_key(self, chunk_ids: list[int], namespace: str = "") -> str:
@@ -548,22 +532,6 @@ def _partial_suffix(text: str, stop: str) -> int:
         if text.endswith(stop[:n]):
             return n
     return 0
-
-
-def _part_text(part) -> str:
-    if isinstance(part, str):
-        return part
-    if isinstance(part, dict) and part.get("type", "text") == "text":
-        return part.get("text", "") or ""
-    raise ValueError("only text content parts are supported")
-
-
-def _content_text(content) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        return "".join(_part_text(p) for p in content)
-    return str(content)
 
 
 def _eos_ids(loaded: LoadedModel) -> set[int]:

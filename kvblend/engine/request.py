@@ -42,7 +42,9 @@ class PrefillStats:
     """Where every prompt token's KV came from.
 
     prompt_tokens = reused_tokens + recomputed_tokens + fresh_tokens
-    cached_tokens = reused_tokens + recomputed_tokens (rows whose KV was loaded from the store)
+    cached_tokens = reused_tokens: rows whose stored KV was used as is. Rows loaded and then
+    recomputed by blend's selection are work done in this request, so they are not cached tokens
+    (the API's ``prompt_tokens_details.cached_tokens`` and Anthropic's ``cache_read_input_tokens``).
     """
 
     mode: str
@@ -60,7 +62,7 @@ class PrefillStats:
 
     @property
     def cached_tokens(self) -> int:
-        return self.reused_tokens + self.recomputed_tokens
+        return self.reused_tokens
 
     def as_dict(self) -> dict:
         return {
