@@ -25,7 +25,7 @@ from kvblend.blend.selection import num_to_keep, select_top_tokens
 from kvblend.config import EngineConfig, validate_lookahead_layers, validate_mode, validate_ratio, validate_selection
 from kvblend.engine.request import (GenerationRequest, GenerationResult, PrefillStats,
                                     TokenEvent)
-from kvblend.engine.sampler import create_generator, sample
+from kvblend.engine.sampler import create_generator, sample, token_logprobs
 from kvblend.models.loader import EMBEDDED_MODEL_ID, LoadedModel, load_model
 from kvblend.kernels import (HEAD_DIM, KERNELS_BY_NAME, KernelUnavailable, dtype_name, kernels_for,
                              load_rows_attention)
@@ -240,7 +240,8 @@ class Engine:
         self._account(stats, stored, out.recomputed_rows, num_tokens)
         seq = Sequence(request, cache, stats)
         seq.first_token_logits = out.last_logits
-        event = self._append_token(seq, sample(out.last_logits, request.sampling, seq.generator))
+        first = sample(out.last_logits, request.sampling, seq.generator)
+        event = self._append_token(seq, first, out.last_logits)
         t1 = time.perf_counter()
         stats.ttft_ms = (t1 - t0) * 1e3
         stats.load_ms = (t_loaded - t0) * 1e3
@@ -455,7 +456,7 @@ class Engine:
         logits = self._decode_logits(batch)  # [B, vocab]
         for row, i in enumerate(live):
             s = seqs[i]
-            events[i] = self._append_token(s, sample(logits[row], s.request.sampling, s.generator))
+            events[i] = self._append_token(s, sample(logits[row], s.request.sampling, s.generator), logits[row])
         return events
 
     def _decode_logits(self, batch: list[Sequence]) -> torch.Tensor:
@@ -479,8 +480,9 @@ class Engine:
             s.cache.length += 1
         return ops.logits(h)
 
-    def _append_token(self, seq: Sequence, token_id: int) -> TokenEvent | None:
-        """Record a sampled token; finish on EOS / stop token / stop string / max_tokens."""
+    def _append_token(self, seq: Sequence, token_id: int, logits: torch.Tensor) -> TokenEvent | None:
+        """Record a sampled token (from ``logits`` [vocab]); finish on EOS / stop token / stop string /
+        max_tokens."""
         params = seq.request.sampling
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_ids):
             seq.finished, seq.finish_reason = True, "stop"
@@ -501,7 +503,10 @@ class Engine:
         visible = full[: len(full) - hold] if hold else full
         delta = visible[len(seq.text):] if visible.startswith(seq.text) else ""
         seq.text += delta
-        return TokenEvent(token_id, delta, len(seq.generated) - 1)
+        event = TokenEvent(token_id, delta, len(seq.generated) - 1)
+        if params.logprobs is not None:
+            event.logprob, event.top_logprobs = token_logprobs(logits, token_id, params.logprobs)
+        return event
 
     def generate(self, request: GenerationRequest) -> Iterator[TokenEvent | GenerationResult]:
         """Yield TokenEvents, then one GenerationResult."""

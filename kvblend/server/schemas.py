@@ -81,12 +81,21 @@ class _Sampling(_Request):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Not supported yet: a request that uses them gets a 400 naming the field (kvblend/server/unsupported.py)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] = Field(min_length=0)
     echo: bool | None = False
     best_of: int | None = Field(default=None, ge=1, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
 
 
 class ChunksRequest(_Request):
@@ -155,6 +164,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "kvblend"
+    max_model_len: int | None = None  # the context window in tokens (vLLM's field); None: unknown (upstream)
 
 
 class ModelList(BaseModel):
