@@ -30,7 +30,9 @@ _LABEL = re.compile(
 _TRAILER = re.compile(
     r"^[ \t]*(?:\[\[ ## |(?:question|query|answer|helpful answer|refined answer|new answer|"
     r"original answer|response)[ \t]*:)", re.I | re.M)
-_META_LINE = re.compile(r"[A-Za-z_][\w .-]{0,40}: [^\n]{0,400}")
+# LlamaIndex metadata keys are lower snake_case (file_path, page_label); a capitalised "Title: text"
+# line is a document (MuSiQue's passages look like that).
+_META_LINE = re.compile(r"[a-z_][a-z0-9_]{0,40}: [^\n]{0,300}")
 _BLANK = re.compile(r"\n[ \t]*\n\s*")
 
 
@@ -61,8 +63,9 @@ def split_documents(region: str) -> list[str]:
     pieces = [p for p in pieces if p]
     docs: list[str] = []
     pending = ""
-    for piece in pieces:
-        if sep is _BLANK and _is_metadata(piece):
+    for i, piece in enumerate(pieces):
+        following = pieces[i + 1] if i + 1 < len(pieces) else None
+        if sep is _BLANK and following is not None and _is_metadata(piece) and not _is_metadata(following):
             pending += piece + "\n\n"
             continue
         docs.append(pending + piece)
@@ -92,13 +95,23 @@ def _ruled_region(text: str) -> tuple[int, int] | None:
 
 def _labelled_region(text: str) -> tuple[int, int] | None:
     """(start, end) from just after a context label to the next trailer line (or the text's end)."""
-    label = _LABEL.search(text)
+    label = next((m for m in _LABEL.finditer(text) if _is_label(text, m)), None)
     if label is None:
         return None
     start = label.end()
     trailer = _TRAILER.search(text, start)
     end = trailer.start() if trailer else len(text)
     return (start, end) if text[start:end].strip() else None
+
+
+def _is_label(text: str, m: re.Match) -> bool:
+    """A label alone on its line ("Context:\n"), or inside a paragraph ("...\nContext: {docs}"); not a
+    paragraph that starts with "Context: ..." (a document titled so)."""
+    line_end = text.find("\n", m.end())
+    alone = not text[m.end():line_end if line_end >= 0 else len(text)].strip()
+    before = text[:m.start()]
+    starts_paragraph = not before.strip() or bool(re.search(r"\n[ \t]*\n[ \t]*$", before))
+    return alone or not starts_paragraph
 
 
 def _paragraphs(text: str, role: str) -> Layout:
