@@ -7,6 +7,9 @@ joined string is never re-tokenized: every prefill mode sees exactly ``Segments.
 from __future__ import annotations
 
 import re
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvblend.blend.layouts import split_context
@@ -46,6 +49,28 @@ class Segments:
 def encode(tokenizer, text: str) -> list[int]:
     """Token ids of ``text`` alone: no BOS/EOS, special tokens in the text are parsed (template parts)."""
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+
+CHUNK_IDS_CACHE_SIZE = 8192  # documents remembered per tokenizer (a few KB of ids each)
+_chunk_ids: "weakref.WeakKeyDictionary[object, OrderedDict[str, tuple[int, ...]]]" = weakref.WeakKeyDictionary()
+_chunk_ids_lock = threading.Lock()
+
+
+def encode_chunk(tokenizer, text: str) -> list[int]:
+    """``encode`` for a document's chunk text, remembered: documents come back (that is what the KV
+    cache is for), and tokenizing 6k tokens of them costs more than the HTTP path around a request."""
+    with _chunk_ids_lock:
+        cache = _chunk_ids.setdefault(tokenizer, OrderedDict())
+        ids = cache.get(text)
+        if ids is not None:
+            cache.move_to_end(text)
+            return list(ids)
+    ids = tuple(encode(tokenizer, text))
+    with _chunk_ids_lock:
+        cache[text] = ids
+        if len(cache) > CHUNK_IDS_CACHE_SIZE:
+            cache.popitem(last=False)
+    return list(ids)
 
 
 def render_template_halves(tokenizer, system: str | None, history: list[dict] | None = None) -> tuple[str, str]:
@@ -117,7 +142,7 @@ def build_segments_from_parts(
     before, after = render_template_halves(tokenizer, system, history)
     return Segments(
         prefix_ids=encode(tokenizer, before + leading_text),
-        chunk_ids=[ids for ids in (encode(tokenizer, t) for t in chunk_texts) if ids],
+        chunk_ids=[ids for ids in (encode_chunk(tokenizer, t) for t in chunk_texts) if ids],
         query_ids=encode(tokenizer, query_text + after),
     )
 
@@ -127,11 +152,11 @@ def build_completion_segments(tokenizer, prompt: str | list[int], documents: lis
     [prompt pieces]. A text prompt is auto-segmented like a plain chat message, so blank-line-joined
     documents hit the cache; a prompt of token ids is the query as is."""
     prefix = list(tokenizer.encode("", add_special_tokens=True))  # BOS for Llama-style tokenizers, else []
-    chunks = [encode(tokenizer, c) for c in canonical_chunks(documents)]
+    chunks = [encode_chunk(tokenizer, c) for c in canonical_chunks(documents)]
     if isinstance(prompt, list):
         return Segments(prefix_ids=prefix, chunk_ids=chunks, query_ids=list(prompt))
     layout = split_context(prompt, "user")
-    chunks += [encode(tokenizer, c) for c in canonical_chunks(layout.documents)]
+    chunks += [encode_chunk(tokenizer, c) for c in canonical_chunks(layout.documents)]
     return Segments(prefix_ids=prefix + encode(tokenizer, layout.lead), chunk_ids=[c for c in chunks if c],
                     query_ids=encode(tokenizer, layout.tail))
 
@@ -236,5 +261,5 @@ def _segments_from_items(tokenizer, items: list[tuple[bool, str]], user_start: i
         else:
             glue += text
     return Segments(prefix_ids=encode(tokenizer, "".join(t for _, t in items[:first])),
-                    chunk_ids=[ids for ids in (encode(tokenizer, c) for c in chunks) if ids],
+                    chunk_ids=[ids for ids in (encode_chunk(tokenizer, c) for c in chunks) if ids],
                     query_ids=encode(tokenizer, "".join(t for _, t in items[last + 1:])))

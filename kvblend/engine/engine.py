@@ -100,6 +100,9 @@ class Sequence:
         self.first_token_logits: torch.Tensor | None = None
         self.text = ""  # text emitted so far (stop strings never included)
         self.pending: list[TokenEvent] = []  # events produced by start() not yet handed out
+        # (to_store, fresh_k, fresh_v): chained segments whose KV the engine stores after the first
+        # token is out (Engine.run_deferred); fresh_k [L, Hkv, T, d] lives in a pooled buffer until then.
+        self.chained: tuple | None = None
         # The cache's pooled memory goes back when the sequence is dropped (finished, cancelled or failed):
         # nothing outside a Sequence holds its cache.
         weakref.finalize(self, cache.release)
@@ -131,6 +134,8 @@ class Engine:
         # Chunks a request found missing: computed alone after its first token (run_deferred), so a
         # cold request costs one normal prefill and the next request with these chunks hits.
         self._deferred: dict[str, list[int]] = {}
+        # (sequence, its K workspace buffer): chained KV to store once the first token is handed out.
+        self._pending_stores: list[tuple[Sequence, object]] = []
 
     # ---- prompts -------------------------------------------------------------------------------
     def segments(self, documents: list[str], question: str, instruction: str = "",
@@ -183,6 +188,7 @@ class Engine:
     @torch.inference_mode()
     def start(self, request: GenerationRequest) -> Sequence:
         """Prefill ``request`` and sample its first token (available via ``step`` / ``pending``)."""
+        self._store_chained()  # an earlier request's chained KV: this one may start with the same segments
         t0 = time.perf_counter()
         mode = validate_mode(request.mode or self.config.blend.mode)
         ratio = validate_ratio(self.config.blend.recompute_ratio if request.recompute_ratio is None
@@ -206,10 +212,27 @@ class Engine:
             seq = self._prefill(request, choice, cache, k_work, t0)
         except BaseException:
             cache.release()
+            self.buffers.give(k_buffer)
             raise
-        finally:
+        if seq.chained is None:
             self.buffers.give(k_buffer)  # the pre-RoPE K workspace: nothing reads it past the prefill
+        else:  # stored by run_deferred (the scheduler calls it once the first token is out) or next start()
+            self._pending_stores.append((seq, k_buffer))
         return seq
+
+    def _store_chained(self) -> None:
+        """Store the chained segments of finished prefills (copies of up to the whole prompt's K and V:
+        ~100 ms for 6k tokens, kept off the TTFT), then give their K workspaces back."""
+        while self._pending_stores:
+            seq, k_buffer = self._pending_stores.pop(0)
+            to_store, fresh_k, fresh_v = seq.chained
+            seq.chained = None
+            try:
+                for key, start, end in to_store:
+                    kv = ChunkKV(fresh_k[:, :, start:end].clone(), fresh_v[:, :, start:end].clone())
+                    self.store.put(key, kv)
+            finally:
+                self.buffers.give(k_buffer)
 
     def _prefill(self, request: GenerationRequest, choice: _Choice, cache: KVCache, k_work: torch.Tensor,
                  t0: float) -> Sequence:
@@ -246,8 +269,8 @@ class Engine:
         stats.ttft_ms = (t1 - t0) * 1e3
         stats.load_ms = (t_loaded - t0) * 1e3
         stats.compute_ms = (t1 - t_loaded) * 1e3
-        for key, start, end in to_store:  # chained segments: reusable by later requests with this start
-            self.store.put(key, ChunkKV(out.fresh_k[:, :, start:end].clone(), out.fresh_v[:, :, start:end].clone()))
+        if to_store:  # chained segments, reusable by later requests with this start: stored after the token
+            seq.chained = (to_store, out.fresh_k, out.fresh_v)
         if event is not None:
             seq.pending.append(event)
         return seq
@@ -400,11 +423,13 @@ class Engine:
 
     @property
     def has_deferred(self) -> bool:
-        return bool(self._deferred)
+        return bool(self._deferred or self._pending_stores)
 
     @torch.inference_mode()
     def run_deferred(self, max_items: int | None = None) -> int:
-        """Compute and store chunks that earlier requests found missing. Returns how many were computed."""
+        """Store pending chained KV, then compute and store chunks that earlier requests found missing.
+        Returns how many chunks were computed."""
+        self._store_chained()
         done = 0
         while self._deferred and (max_items is None or done < max_items):
             key, chunk_ids = next(iter(self._deferred.items()))
