@@ -1,15 +1,16 @@
 """Where the time between a client and the engine goes, request by request (paired).
 
-    .venv/bin/python scripts/profile_http.py [--passages 10] [--requests 8] [--example 0] [--dtype auto]
+    .venv/bin/python scripts/profile_http.py [--passages 10] [--requests 8] [--example 0]
+        [--dtype auto] [--json FILE]
 
-Serves the embedded model in this process (the app ``kvblend serve`` builds, under uvicorn) and sends
+Serves the embedded model in this process (the app ``kvblend serve`` builds, under uvicorn), sends
 streamed chat requests from a client subprocess (so the client does not share this process's GIL):
 the MuSiQue passages of one example, shuffled per request, as blank-line text (bench ttft's prompt).
-Each request's parts come from wrappers around the server's own calls, timestamped with the monotonic
+Each request's parts come from wrappers around the server's own calls, stamped with the monotonic
 clock both processes share:
 
     client send -> app entry (HTTP parse) -> handler (body validated) -> worker picks the job up
-    (queue) -> build_request (chat template, tokenization, segmentation) -> engine.start (the engine's
+    (queue) -> build_request (chat template, tokenization, segmentation) -> engine.start (engine's
     TTFT) -> first content SSE chunk formatted -> client reads it
 
 and prints client TTFT against the engine's, with the gap split into those parts (medians; the first
@@ -112,7 +113,9 @@ def serve(port: int, dtype: str):
     from kvblend.server.app import create_app
 
     config = ServerConfig(port=port, models=[ModelEntry(dtype=dtype)], default_max_tokens=4)
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning")
+    )
     threading.Thread(target=server.run, daemon=True).start()
     import httpx
 
@@ -132,12 +135,23 @@ def bodies(args) -> list[dict]:
     rng = random.Random(0)
     out = []
     for _ in range(args.requests):
-        passages = ex.passages[:args.passages]
+        passages = ex.passages[: args.passages]
         rng.shuffle(passages)
-        out.append({"model": "smollm2-135m-instruct", "max_tokens": 4, "temperature": 0, "stream": True,
-                    "stream_options": {"include_usage": True},
-                    "messages": [{"role": "user", "content": build_prompt(DEFAULT_INSTRUCTION, passages,
-                                                                          ex.question)}]})
+        out.append(
+            {
+                "model": "smollm2-135m-instruct",
+                "max_tokens": 4,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": build_prompt(DEFAULT_INSTRUCTION, passages, ex.question),
+                    }
+                ],
+            }
+        )
     return out
 
 
@@ -154,21 +168,32 @@ def main() -> int:
     instrument(marks)
     server = serve(args.port, args.dtype)
     url = f"http://127.0.0.1:{args.port}/v1/chat/completions"
-    run = subprocess.run([sys.executable, "-c", CLIENT, url], input=json.dumps(bodies(args)),
-                         capture_output=True, text=True, check=True)
+    run = subprocess.run(
+        [sys.executable, "-c", CLIENT, url],
+        input=json.dumps(bodies(args)),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     server.should_exit = True
     rows = []
     for client, m in zip(json.loads(run.stdout), marks):
         kv = client["usage"]["kvblend"]
-        rows.append({"prompt_tokens": client["usage"]["prompt_tokens"], "chunks_hit": kv["chunks_hit"],
-                     "client_ttft_ms": (client["first"] - client["send"]) * 1e3, "engine_ttft_ms": kv["ttft_ms"],
-                     "send_to_app": (m["app"] - client["send"]) * 1e3,
-                     "app_to_handler": (m["handler"] - m["app"]) * 1e3,
-                     "queue": (m["dequeued"] - m["handler"]) * 1e3,
-                     "build_request": (m["built"] - m["dequeued"]) * 1e3,
-                     "engine_start": (m["prefilled"] - m["built"]) * 1e3,
-                     "to_sse_chunk": (m["sse"] - m["prefilled"]) * 1e3,
-                     "sse_to_client": (client["first"] - m["sse"]) * 1e3})
+        rows.append(
+            {
+                "prompt_tokens": client["usage"]["prompt_tokens"],
+                "chunks_hit": kv["chunks_hit"],
+                "client_ttft_ms": (client["first"] - client["send"]) * 1e3,
+                "engine_ttft_ms": kv["ttft_ms"],
+                "send_to_app": (m["app"] - client["send"]) * 1e3,
+                "app_to_handler": (m["handler"] - m["app"]) * 1e3,
+                "queue": (m["dequeued"] - m["handler"]) * 1e3,
+                "build_request": (m["built"] - m["dequeued"]) * 1e3,
+                "engine_start": (m["prefilled"] - m["built"]) * 1e3,
+                "to_sse_chunk": (m["sse"] - m["prefilled"]) * 1e3,
+                "sse_to_client": (client["first"] - m["sse"]) * 1e3,
+            }
+        )
     warm = rows[1:] or rows
     print(f"{len(warm)} warm requests, {warm[0]['prompt_tokens']} prompt tokens, medians in ms:")
     for key in [k for k in rows[0] if k not in ("prompt_tokens", "chunks_hit")]:

@@ -1,7 +1,7 @@
-"""RAG frameworks against a live `kvblend serve` (embedded model), through their real client packages.
+"""RAG frameworks against a live `kvblend serve` (embedded model), through their real packages.
 
 Each test sends the same documents twice, reordered and with another question, the way the framework
-renders them, and checks that every document hit the chunk store the second time. Every test uses its
+renders them, and checks that every document hit the chunk store the second time. Each test uses its
 own document texts, so hits come only from what that test sent.
 """
 
@@ -22,28 +22,35 @@ from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_openai import ChatOpenAI  # noqa: E402
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock  # noqa: E402
-from llama_index.core.prompts.chat_prompts import CHAT_REFINE_PROMPT, CHAT_TEXT_QA_PROMPT  # noqa: E402
-from llama_index.core.prompts.default_prompts import DEFAULT_REFINE_PROMPT, DEFAULT_TEXT_QA_PROMPT  # noqa: E402
+from llama_index.core.prompts import chat_prompts, default_prompts  # noqa: E402
 from llama_index.core.schema import MetadataMode, TextNode  # noqa: E402
 from llama_index.llms.openai_like import OpenAILike  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 KEY = "sk-test-frameworks"
 
-# LangChain's RAG tutorial (langchain 1.x docs, "Build a RAG agent"): the context goes into the system message.
-TUTORIAL_SYSTEM = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved "
-                   "context to answer the question. If you don't know the answer, say that you don't know. Use "
-                   "three sentences maximum and keep the answer concise.\n\n{context}")
+# LangChain's RAG tutorial (langchain 1.x, "Build a RAG agent"): the context in the system message.
+TUTORIAL_SYSTEM = (
+    "You are an assistant for question-answering tasks. Use the following pieces of retrieved "
+    "context to answer the question. If you don't know the answer, say that you don't know. Use "
+    "three sentences maximum and keep the answer concise.\n\n{context}"
+)
 # LangChain's classic rlm/rag-prompt: instruction, question and context in one human message.
-CLASSIC = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context to "
-           "answer the question. If you don't know the answer, just say that you don't know. Use three sentences "
-           "maximum and keep the answer concise.\nQuestion: {question} \nContext: {context} \nAnswer:")
+CLASSIC = (
+    "You are an assistant for question-answering tasks. Use the following pieces of retrieved "
+    "context to answer the question. If you don't know the answer, just say that you don't know. "
+    "Use three sentences maximum and keep the answer concise.\nQuestion: {question} \nContext: "
+    "{context} \nAnswer:"
+)
 
 
 @pytest.fixture(scope="module")
 def server(kvblend_server_factory):
-    config = {"api_keys": [{"key": KEY, "name": "fw", "namespace": "fw"}], "default_max_tokens": 4,
-              "models": [{"id": MODEL, "model": ""}]}
+    config = {
+        "api_keys": [{"key": KEY, "name": "fw", "namespace": "fw"}],
+        "default_max_tokens": 4,
+        "models": [{"id": MODEL, "model": ""}],
+    }
     return kvblend_server_factory(config)
 
 
@@ -53,10 +60,12 @@ def client(server) -> openai.OpenAI:
 
 
 def docs(tag: str, n: int = 3) -> list[str]:
-    facts = ["The lighthouse on {t} island was built in 1874 and painted red by the harbour guild.",
-             "The baker of {t} village sells rye bread every Tuesday morning before the market opens.",
-             "The {t} river floods each spring when the mountain snow melts above the old mill.",
-             "The {t} library keeps a map of the old harbour in its basement next to the archive."]
+    facts = [
+        "The lighthouse on {t} island was built in 1874 and painted red by the harbour guild.",
+        "The baker of {t} village sells rye bread every Tuesday morning before the market opens.",
+        "The {t} river floods each spring when the mountain snow melts above the old mill.",
+        "The {t} library keeps a map of the old harbour in its basement next to the archive.",
+    ]
     return [facts[i % len(facts)].format(t=f"{tag}{i}") for i in range(n)]
 
 
@@ -69,30 +78,51 @@ def reordered(ds: list[str]) -> list[str]:
 def metric(server, name: str, **labels) -> float:
     total = 0.0
     for line in httpx.get(server.base_url + "/metrics", timeout=10).text.splitlines():
-        if (line.startswith(name + "{") or line.startswith(name + " ")) and \
-                all(f'{k}="{v}"' in line for k, v in labels.items()):
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
 
 def chunk_hits(server, send) -> tuple[int, int]:
     """(hits, looked up) of the chunk store over one call of ``send``, from /metrics."""
-    hit0, miss0 = metric(server, "kvblend_chunks_total", outcome="hit"), metric(server, "kvblend_chunks_total",
-                                                                                  outcome="miss")
+    hit0, miss0 = (
+        metric(server, "kvblend_chunks_total", outcome="hit"),
+        metric(server, "kvblend_chunks_total", outcome="miss"),
+    )
     send()
-    hit1, miss1 = metric(server, "kvblend_chunks_total", outcome="hit"), metric(server, "kvblend_chunks_total",
-                                                                                  outcome="miss")
+    hit1, miss1 = (
+        metric(server, "kvblend_chunks_total", outcome="hit"),
+        metric(server, "kvblend_chunks_total", outcome="miss"),
+    )
     return int(hit1 - hit0), int(hit1 - hit0 + miss1 - miss0)
 
 
 def langchain(server) -> ChatOpenAI:
-    return ChatOpenAI(base_url=server.base_url + "/v1", api_key=KEY, model=MODEL, max_tokens=4, temperature=0,
-                      max_retries=0, timeout=120)
+    return ChatOpenAI(
+        base_url=server.base_url + "/v1",
+        api_key=KEY,
+        model=MODEL,
+        max_tokens=4,
+        temperature=0,
+        max_retries=0,
+        timeout=120,
+    )
 
 
 def llama(server, chat: bool = True) -> OpenAILike:
-    return OpenAILike(model=MODEL, api_base=server.base_url + "/v1", api_key=KEY, is_chat_model=chat,
-                      max_tokens=4, temperature=0, context_window=8192, max_retries=0, timeout=120)
+    return OpenAILike(
+        model=MODEL,
+        api_base=server.base_url + "/v1",
+        api_key=KEY,
+        is_chat_model=chat,
+        max_tokens=4,
+        temperature=0,
+        context_window=8192,
+        max_retries=0,
+        timeout=120,
+    )
 
 
 def test_langchain_tutorial_system_context(server):
@@ -100,7 +130,9 @@ def test_langchain_tutorial_system_context(server):
 
     def ask(order, question):
         context = "\n\n".join(order)
-        return llm.invoke([SystemMessage(TUTORIAL_SYSTEM.format(context=context)), HumanMessage(question)])
+        return llm.invoke(
+            [SystemMessage(TUTORIAL_SYSTEM.format(context=context)), HumanMessage(question)]
+        )
 
     assert chunk_hits(server, lambda: ask(ds, "When was the lighthouse built?")) == (0, 3)
     r = None
@@ -112,7 +144,11 @@ def test_langchain_tutorial_system_context(server):
     assert chunk_hits(server, again) == (3, 3)
     usage = r.response_metadata["token_usage"]
     assert usage["kvblend"]["chunks_hit"] == 3
-    assert r.usage_metadata["input_token_details"]["cache_read"] == usage["kvblend"]["reused_tokens"] > 0
+    assert (
+        r.usage_metadata["input_token_details"]["cache_read"]
+        == usage["kvblend"]["reused_tokens"]
+        > 0
+    )
 
 
 def test_langchain_classic_prompt(server):
@@ -138,7 +174,11 @@ def test_llamaindex_text_qa_chat_template(server):
     llm, nodes = llama(server), _nodes(docs("litqa"))
 
     def ask(order, query):
-        return llm.chat(CHAT_TEXT_QA_PROMPT.format_messages(context_str=_context(order), query_str=query))
+        return llm.chat(
+            chat_prompts.CHAT_TEXT_QA_PROMPT.format_messages(
+                context_str=_context(order), query_str=query
+            )
+        )
 
     assert chunk_hits(server, lambda: ask(nodes, "When was the lighthouse built?")) == (0, 3)
     r = None
@@ -148,7 +188,9 @@ def test_llamaindex_text_qa_chat_template(server):
         r = ask(reordered(nodes), "Which library keeps a map?")
 
     assert chunk_hits(server, again) == (3, 3)
-    assert r.raw.usage.model_extra["kvblend"]["chunks_total"] == 3  # one chunk per node, metadata included
+    assert (
+        r.raw.usage.model_extra["kvblend"]["chunks_total"] == 3
+    )  # one chunk per node, metadata included
 
 
 def test_llamaindex_refine_templates(server):
@@ -156,18 +198,26 @@ def test_llamaindex_refine_templates(server):
     chat_llm, text_llm = llama(server), llama(server, chat=False)
 
     def chat(order, query):
-        return chat_llm.chat(CHAT_REFINE_PROMPT.format_messages(context_msg=_context(order), query_str=query,
-                                                                existing_answer="Not known."))
+        return chat_llm.chat(
+            chat_prompts.CHAT_REFINE_PROMPT.format_messages(
+                context_msg=_context(order), query_str=query, existing_answer="Not known."
+            )
+        )
 
     def complete(order, query):  # the text template (------------ rules) through /v1/completions
-        return text_llm.complete(DEFAULT_REFINE_PROMPT.format(context_msg=_context(order), query_str=query,
-                                                              existing_answer="Not known."))
+        return text_llm.complete(
+            default_prompts.DEFAULT_REFINE_PROMPT.format(
+                context_msg=_context(order), query_str=query, existing_answer="Not known."
+            )
+        )
 
     assert chunk_hits(server, lambda: chat(nodes, "When was the lighthouse built?")) == (0, 3)
     assert chunk_hits(server, lambda: chat(reordered(nodes), "What floods?")) == (3, 3)
-    # The completions prompt has no chat template around it, but a chunk is its text alone: same keys.
+    # The completions prompt has no chat template around it; a chunk is its text alone: same keys.
     assert chunk_hits(server, lambda: complete(reordered(nodes), "Who sells bread?")) == (3, 3)
-    qa = DEFAULT_TEXT_QA_PROMPT.format(context_str=_context(nodes[::-1]), query_str="Where is the map?")
+    qa = default_prompts.DEFAULT_TEXT_QA_PROMPT.format(
+        context_str=_context(nodes[::-1]), query_str="Where is the map?"
+    )
     assert chunk_hits(server, lambda: text_llm.complete(qa)) == (3, 3)
 
 
@@ -188,28 +238,50 @@ def test_one_document_one_chunk_every_way(server, client):
     """After /v1/chunks, the same documents hit whichever way they come in."""
     ds = docs("oneway", 2)
     q = "Which fact is about bread?"
-    r = httpx.post(server.base_url + "/v1/chunks", json={"documents": ds}, headers={"Authorization": f"Bearer {KEY}"})
+    r = httpx.post(
+        server.base_url + "/v1/chunks",
+        json={"documents": ds},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
     assert r.status_code == 200 and not any(c["cached"] for c in r.json()["data"])
 
     def openai_chat(**kw):
-        return client.chat.completions.create(model=MODEL, max_tokens=2, **kw).usage.model_extra["kvblend"]
+        return client.chat.completions.create(model=MODEL, max_tokens=2, **kw).usage.model_extra[
+            "kvblend"
+        ]
 
     ant = anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
 
     def messages(content):
-        r = ant.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": content}])
+        r = ant.messages.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": content}]
+        )
         return r.usage.model_extra["kvblend"]
 
     order = ds[::-1]
     ways = {
-        "documents": lambda: openai_chat(messages=[{"role": "user", "content": q}], extra_body={"documents": order}),
-        "parts": lambda: openai_chat(messages=[{"role": "user", "content": [{"type": "text", "text": t}
-                                                                            for t in order + [q]]}]),
-        "plain": lambda: openai_chat(messages=[{"role": "user", "content": "\n\n".join(order + [q])}]),
+        "documents": lambda: openai_chat(
+            messages=[{"role": "user", "content": q}], extra_body={"documents": order}
+        ),
+        "parts": lambda: openai_chat(
+            messages=[
+                {"role": "user", "content": [{"type": "text", "text": t} for t in order + [q]]}
+            ]
+        ),
+        "plain": lambda: openai_chat(
+            messages=[{"role": "user", "content": "\n\n".join(order + [q])}]
+        ),
         "anthropic_text": lambda: messages([{"type": "text", "text": t} for t in order + [q]]),
         "anthropic_document": lambda: messages(
-            [{"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": t}} for t in order]
-            + [{"type": "text", "text": q}]),
+            [
+                {
+                    "type": "document",
+                    "source": {"type": "text", "media_type": "text/plain", "data": t},
+                }
+                for t in order
+            ]
+            + [{"type": "text", "text": q}]
+        ),
     }
     for name, send in ways.items():
         kv = send()
@@ -219,16 +291,28 @@ def test_one_document_one_chunk_every_way(server, client):
 def test_cached_tokens_count_only_kv_used_as_is(server, client):
     ds = docs("honest", 4)
     blend = {"mode": "blend", "recompute_ratio": 0.5}
-    client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Q1?"}],
-                                   extra_body={"documents": ds, **blend})
-    r = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Q2?"}],
-                                       extra_body={"documents": ds[::-1], **blend})
+    client.chat.completions.create(
+        model=MODEL,
+        max_tokens=2,
+        messages=[{"role": "user", "content": "Q1?"}],
+        extra_body={"documents": ds, **blend},
+    )
+    r = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=2,
+        messages=[{"role": "user", "content": "Q2?"}],
+        extra_body={"documents": ds[::-1], **blend},
+    )
     kv = r.usage.model_extra["kvblend"]
     assert kv["recomputed_tokens"] > 0 and kv["reused_tokens"] > 0
     assert r.usage.prompt_tokens_details.cached_tokens == kv["reused_tokens"] == kv["cached_tokens"]
     ant = anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
-    m = ant.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Q3?"}],
-                            extra_body={"documents": reordered(ds), **blend})
+    m = ant.messages.create(
+        model=MODEL,
+        max_tokens=2,
+        messages=[{"role": "user", "content": "Q3?"}],
+        extra_body={"documents": reordered(ds), **blend},
+    )
     mk = m.usage.model_extra["kvblend"]
     assert mk["recomputed_tokens"] > 0
     assert m.usage.cache_read_input_tokens == mk["reused_tokens"]
@@ -236,8 +320,14 @@ def test_cached_tokens_count_only_kv_used_as_is(server, client):
 
 
 def test_logprobs_chat_and_completions(client):
-    r = client.chat.completions.create(model=MODEL, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
-                                       messages=[{"role": "user", "content": "Name a colour."}])
+    r = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        messages=[{"role": "user", "content": "Name a colour."}],
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for e in content:
@@ -246,34 +336,62 @@ def test_logprobs_chat_and_completions(client):
         assert e.token == e.top_logprobs[0].token and e.logprob == pytest.approx(tops[0])  # greedy
         assert bytes(e.bytes).decode("utf-8", "replace") == e.token
     assert "".join(e.token for e in content) == r.choices[0].message.content
-    stream = client.chat.completions.create(model=MODEL, max_tokens=5, temperature=0, logprobs=True,
-                                            messages=[{"role": "user", "content": "Name a colour."}], stream=True)
-    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        messages=[{"role": "user", "content": "Name a colour."}],
+        stream=True,
+    )
+    streamed = [
+        e
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
     assert [e.token for e in streamed] == [e.token for e in content]
-    c = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=3, temperature=0, logprobs=2)
+    c = client.completions.create(
+        model=MODEL, prompt="One, two, three,", max_tokens=3, temperature=0, logprobs=2
+    )
     lp = c.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.completion_tokens
+    assert (
+        len(lp.tokens)
+        == len(lp.token_logprobs)
+        == len(lp.top_logprobs)
+        == c.usage.completion_tokens
+    )
     assert all(len(t) <= 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, max_tokens=2, top_logprobs=2,
-                                       messages=[{"role": "user", "content": "x"}])
+        client.chat.completions.create(
+            model=MODEL, max_tokens=2, top_logprobs=2, messages=[{"role": "user", "content": "x"}]
+        )
     assert e.value.body["param"] == "top_logprobs"
 
 
 def test_unsupported_features_are_400_naming_the_field(server, client):
     msgs = [{"role": "user", "content": "What is the weather?"}]
-    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}
-    cases = {"tools": {"tools": [tool]}, "tool_choice": {"tool_choice": "required"},
-             "response_format": {"response_format": {"type": "json_object"}}}
+    tool = {
+        "type": "function",
+        "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}},
+    }
+    cases = {
+        "tools": {"tools": [tool]},
+        "tool_choice": {"tool_choice": "required"},
+        "response_format": {"response_format": {"type": "json_object"}},
+    }
     for field, extra in cases.items():
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, **extra)
         assert e.value.body["param"] == field and field in e.value.body["message"]
-    client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, response_format={"type": "text"})
+    client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=2, response_format={"type": "text"}
+    )
     llm = langchain(server)
     with pytest.raises(openai.BadRequestError, match="response_format"):
-        llm.with_structured_output({"title": "A", "type": "object", "properties": {"a": {"type": "string"}}}) \
-            .invoke("Say a.")
+        llm.with_structured_output(
+            {"title": "A", "type": "object", "properties": {"a": {"type": "string"}}}
+        ).invoke("Say a.")
     with pytest.raises(openai.BadRequestError, match="tools"):
         llm.bind_tools([tool]).invoke("Weather?")
 
@@ -282,23 +400,33 @@ def test_long_prompt_without_documents_is_warned(server, client):
     text = " ".join(f"word{i} is a token sequence with no paragraph breaks." for i in range(150))
     before = metric(server, "kvblend_unsegmented_prompts_total", reason="no_chunks")
     raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": text}])
+        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": text}]
+    )
     r = raw.parse()
     kv = r.usage.model_extra["kvblend"]
     assert r.usage.prompt_tokens >= 1024 and kv["chunks_total"] == 0
     assert "no document" in kv["warning"] and raw.headers["x-kvblend-warning"] == kv["warning"]
     assert metric(server, "kvblend_unsegmented_prompts_total", reason="no_chunks") == before + 1
     short = client.chat.completions.with_raw_response.create(
-        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "Hello there."}])
-    assert "x-kvblend-warning" not in short.headers and "warning" not in short.parse().usage.model_extra["kvblend"]
+        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "Hello there."}]
+    )
+    assert (
+        "x-kvblend-warning" not in short.headers
+        and "warning" not in short.parse().usage.model_extra["kvblend"]
+    )
 
 
 def test_metrics_grafana_shape(server, client):
     health = metric(server, "kvblend_requests_total", endpoint="/health")
     for _ in range(3):
         httpx.get(server.base_url + "/health")
-    stream = client.chat.completions.create(model=MODEL, max_tokens=40, stream=True, temperature=0,
-                                            messages=[{"role": "user", "content": "Write a long poem about the sea."}])
+    stream = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=40,
+        stream=True,
+        temperature=0,
+        messages=[{"role": "user", "content": "Write a long poem about the sea."}],
+    )
     gen_before = metric(server, "kvblend_completion_tokens_total", model_name=MODEL)
     got = 0
     for chunk in stream:  # cut the stream after two pieces of text
@@ -313,9 +441,14 @@ def test_metrics_grafana_shape(server, client):
     text = httpx.get(server.base_url + "/metrics").text
     assert metric(server, "kvblend_requests_total", endpoint="/health") == health == 0
     assert "_created" not in text and 'model="' not in text
-    for name in ("kvblend_ttft_seconds", "kvblend_inter_token_latency_seconds",
-                 "kvblend_e2e_request_latency_seconds", "kvblend_request_queue_time_seconds",
-                 "kvblend_request_prompt_tokens", "kvblend_request_generation_tokens"):
+    for name in (
+        "kvblend_ttft_seconds",
+        "kvblend_inter_token_latency_seconds",
+        "kvblend_e2e_request_latency_seconds",
+        "kvblend_request_queue_time_seconds",
+        "kvblend_request_prompt_tokens",
+        "kvblend_request_generation_tokens",
+    ):
         assert f'{name}_count{{model_name="{MODEL}"}}' in text, name
     assert "process_cpu_seconds_total" in text and "process_resident_memory_bytes" in text
     info = [line for line in text.splitlines() if line.startswith("kvblend_model_info{")]
@@ -324,15 +457,25 @@ def test_metrics_grafana_shape(server, client):
 
 
 def test_models_tokenize_detokenize(server, client):
-    card = httpx.get(server.base_url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]
+    card = httpx.get(
+        server.base_url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}
+    ).json()["data"][0]
     assert card["max_model_len"] == 8192
     msgs = [{"role": "user", "content": "\n\n".join(docs("tok", 2) + ["Which island?"])}]
     auth = {"Authorization": f"Bearer {KEY}"}
-    tok = httpx.post(server.base_url + "/tokenize", json={"model": MODEL, "messages": msgs}, headers=auth).json()
+    tok = httpx.post(
+        server.base_url + "/tokenize", json={"model": MODEL, "messages": msgs}, headers=auth
+    ).json()
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
-    assert tok["count"] == len(tok["tokens"]) == r.usage.prompt_tokens and tok["max_model_len"] == 8192
-    plain = httpx.post(server.base_url + "/tokenize", json={"prompt": "Hello world"}, headers=auth).json()
-    back = httpx.post(server.base_url + "/detokenize", json={"tokens": plain["tokens"]}, headers=auth).json()
+    assert (
+        tok["count"] == len(tok["tokens"]) == r.usage.prompt_tokens and tok["max_model_len"] == 8192
+    )
+    plain = httpx.post(
+        server.base_url + "/tokenize", json={"prompt": "Hello world"}, headers=auth
+    ).json()
+    back = httpx.post(
+        server.base_url + "/detokenize", json={"tokens": plain["tokens"]}, headers=auth
+    ).json()
     assert back["prompt"] == "Hello world"
     bad = httpx.post(server.base_url + "/detokenize", json={"tokens": [10**9]}, headers=auth)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"

@@ -1,4 +1,4 @@
-"""Where documents sit in framework-rendered prompts (kvblend/blend/layouts.py): pure string tests."""
+"""Where documents sit in framework-rendered prompts (kvblend/blend/layouts.py): string tests."""
 
 from __future__ import annotations
 
@@ -6,23 +6,35 @@ from kvblend.blend.layouts import split_context, split_documents
 from kvblend.blend.segmenter import canonical_chunk
 from kvblend.bench.data import DEFAULT_INSTRUCTION, build_prompt
 
-DOCS = ["The lighthouse was built in 1874.", "The baker sells rye bread.", "The river floods in spring."]
+DOCS = [
+    "The lighthouse was built in 1874.",
+    "The baker sells rye bread.",
+    "The river floods in spring.",
+]
 CTX = "\n\n".join(DOCS)
 
 
 def test_llamaindex_text_qa_rules_with_metadata():
     nodes = [f"file_path: /data/{i}.txt\n\n{d}" for i, d in enumerate(DOCS)]
-    text = ("Context information is below.\n---------------------\n" + "\n\n".join(nodes) +
-            "\n---------------------\nGiven the context information and not prior knowledge, answer the query.\n"
-            "Query: When?\nAnswer: ")
+    text = (
+        "Context information is below.\n---------------------\n"
+        + "\n\n".join(nodes)
+        + "\n---------------------\nGiven the context information and not prior knowledge, "
+        "answer the query.\n"
+        "Query: When?\nAnswer: "
+    )
     lay = split_context(text)
     assert lay.documents == nodes
-    assert lay.lead.endswith("---------------------\n") and lay.tail.startswith("---------------------\nGiven")
+    assert lay.lead.endswith("---------------------\n") and lay.tail.startswith(
+        "---------------------\nGiven"
+    )
 
 
 def test_refine_rules_with_the_query_before_the_context():
-    text = (f"The original query is as follows: Q?\nWe have provided an existing answer: A\n"
-            f"We have the opportunity to refine...\n------------\n{CTX}\n------------\nRefined Answer: ")
+    text = (
+        f"The original query is as follows: Q?\nWe have provided an existing answer: A\n"
+        f"We have the opportunity to refine...\n------------\n{CTX}\n------------\nRefined Answer: "
+    )
     lay = split_context(text)
     assert lay.documents == DOCS and "Q?" in lay.lead and lay.tail.startswith("------------")
 
@@ -41,15 +53,22 @@ def test_langchain_classic_question_before_context():
 
 
 def test_haystack_context_one_document_a_line():
-    text = ("Given the following information, answer the question.\n\nContext:\n"
-            + "".join(f"    {d}\n" for d in DOCS) + "\nQuestion: q?\nAnswer:")
+    text = (
+        "Given the following information, answer the question.\n\nContext:\n"
+        + "".join(f"    {d}\n" for d in DOCS)
+        + "\nQuestion: q?\nAnswer:"
+    )
     lay = split_context(text)
     assert lay.documents == DOCS and lay.tail.startswith("Question: q?")
 
 
 def test_system_message_first_paragraph_is_the_instruction():
     lay = split_context("You are an assistant. Be concise.\n\n" + CTX, "system")
-    assert lay.lead == "You are an assistant. Be concise.\n\n" and lay.documents == DOCS and lay.tail == ""
+    assert (
+        lay.lead == "You are an assistant. Be concise.\n\n"
+        and lay.documents == DOCS
+        and lay.tail == ""
+    )
     assert split_context("One paragraph only.\nSecond line.", "system").documents == []
 
 
@@ -61,18 +80,30 @@ def test_plain_user_text_last_paragraph_is_the_question():
 
 
 def test_bench_prompt_passages_titled_like_labels_or_metadata_stay_documents():
-    passages = ["Context: a film of 1990 about a lost letter.", "Paris: capital of France.",
-                "source: lowercase but followed by metadata-like text too"]
+    passages = [
+        "Context: a film of 1990 about a lost letter.",
+        "Paris: capital of France.",
+        "source: lowercase but followed by metadata-like text too",
+    ]
     prompt = build_prompt(DEFAULT_INSTRUCTION, passages, "Which film?")
     lay = split_context(prompt)
-    assert lay.documents == [DEFAULT_INSTRUCTION] + passages and lay.tail.startswith("Question: Which film?")
+    assert lay.documents == [DEFAULT_INSTRUCTION] + passages and lay.tail.startswith(
+        "Question: Which film?"
+    )
 
 
 def test_metadata_joins_only_the_document_after_it():
-    assert split_documents("file_path: a.txt\npage_label: 2\n\nBody one.\n\nBody two.") == \
-        ["file_path: a.txt\npage_label: 2\n\nBody one.", "Body two."]
+    assert split_documents("file_path: a.txt\npage_label: 2\n\nBody one.\n\nBody two.") == [
+        "file_path: a.txt\npage_label: 2\n\nBody one.",
+        "Body two.",
+    ]
 
 
 def test_canonical_chunk_is_the_same_text_whichever_way():
-    assert canonical_chunk("  doc \n") == canonical_chunk("doc\n\n") == canonical_chunk("doc") == "doc\n\n"
+    assert (
+        canonical_chunk("  doc \n")
+        == canonical_chunk("doc\n\n")
+        == canonical_chunk("doc")
+        == "doc\n\n"
+    )
     assert canonical_chunk("   ") == ""

@@ -25,11 +25,15 @@ from dataclasses import dataclass, field
 _RULE = re.compile(r"^[ \t]*([-=*_~#])\1{2,}[ \t]*$", re.M)
 _LABEL = re.compile(
     r"^[ \t]*(?:\[\[ ## context ## \]\][ \t]*|(?:#+[ \t]*)?(?:retrieved |new )?"
-    r"(?:context|documents|passages|sources)(?: information)?[ \t]*:[ \t]*)", re.I | re.M)
+    r"(?:context|documents|passages|sources)(?: information)?[ \t]*:[ \t]*)",
+    re.I | re.M,
+)
 # A line that ends the context: the template's question / answer slot, or the next DSPy field.
 _TRAILER = re.compile(
     r"^[ \t]*(?:\[\[ ## |(?:question|query|answer|helpful answer|refined answer|new answer|"
-    r"original answer|response)[ \t]*:)", re.I | re.M)
+    r"original answer|response)[ \t]*:)",
+    re.I | re.M,
+)
 # LlamaIndex metadata keys are lower snake_case (file_path, page_label); a capitalised "Title: text"
 # line is a document (MuSiQue's passages look like that).
 _META_LINE = re.compile(r"[a-z_][a-z0-9_]{0,40}: [^\n]{0,300}")
@@ -65,7 +69,8 @@ def split_documents(region: str) -> list[str]:
     pending = ""
     for i, piece in enumerate(pieces):
         following = pieces[i + 1] if i + 1 < len(pieces) else None
-        if sep is _BLANK and following is not None and _is_metadata(piece) and not _is_metadata(following):
+        joins_next = following is not None and _is_metadata(piece) and not _is_metadata(following)
+        if sep is _BLANK and joins_next:
             pending += piece + "\n\n"
             continue
         docs.append(pending + piece)
@@ -81,7 +86,7 @@ def _is_metadata(piece: str) -> bool:
 
 
 def _ruled_region(text: str) -> tuple[int, int] | None:
-    """(start, end) between the first and last of the longest rule line that occurs twice or more."""
+    """(start, end) between the first and the last of the longest rule line found twice or more."""
     rules: dict[str, list[re.Match]] = {}
     for m in _RULE.finditer(text):
         rules.setdefault(m.group(0).strip(), []).append(m)
@@ -89,7 +94,7 @@ def _ruled_region(text: str) -> tuple[int, int] | None:
     if not pairs:
         return None
     _, ms = max(pairs, key=lambda p: p[0])
-    start = ms[0].end() + 1 if text[ms[0].end():ms[0].end() + 1] == "\n" else ms[0].end()
+    start = ms[0].end() + 1 if text[ms[0].end() : ms[0].end() + 1] == "\n" else ms[0].end()
     return start, ms[-1].start()
 
 
@@ -105,11 +110,11 @@ def _labelled_region(text: str) -> tuple[int, int] | None:
 
 
 def _is_label(text: str, m: re.Match) -> bool:
-    """A label alone on its line ("Context:\n"), or inside a paragraph ("...\nContext: {docs}"); not a
-    paragraph that starts with "Context: ..." (a document titled so)."""
+    """A label alone on its line ("Context:\n") or inside a paragraph ("...\nContext: {docs}"); not
+    a paragraph that starts with "Context: ..." (a document titled so)."""
     line_end = text.find("\n", m.end())
-    alone = not text[m.end():line_end if line_end >= 0 else len(text)].strip()
-    before = text[:m.start()]
+    alone = not text[m.end() : line_end if line_end >= 0 else len(text)].strip()
+    before = text[: m.start()]
     starts_paragraph = not before.strip() or bool(re.search(r"\n[ \t]*\n[ \t]*$", before))
     return alone or not starts_paragraph
 
@@ -124,8 +129,9 @@ def _paragraphs(text: str, role: str) -> Layout:
         pos = m.end()
     spans.append((pos, len(text)))
     spans = [(a, b) for a, b in spans if text[a:b].strip()]
-    if len(spans) < 2 and role != "system":  # no blank line: one line a piece, the last the question
-        spans = [(m.start(), m.end()) for m in re.finditer(r"[^\n]*\n|[^\n]+$", text) if m.group().strip()]
+    if len(spans) < 2 and role != "system":  # no blank line: a line a piece, the last the question
+        lines = re.finditer(r"[^\n]*\n|[^\n]+$", text)
+        spans = [(m.start(), m.end()) for m in lines if m.group().strip()]
     if len(spans) < 2:
         return Layout(text)
     if role == "system":

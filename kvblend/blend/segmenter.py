@@ -52,13 +52,14 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 CHUNK_IDS_CACHE_SIZE = 8192  # documents remembered per tokenizer (a few KB of ids each)
-_chunk_ids: "weakref.WeakKeyDictionary[object, OrderedDict[str, tuple[int, ...]]]" = weakref.WeakKeyDictionary()
+_chunk_ids: "weakref.WeakKeyDictionary[object, OrderedDict[str, tuple[int, ...]]]" = \
+    weakref.WeakKeyDictionary()
 _chunk_ids_lock = threading.Lock()
 
 
 def encode_chunk(tokenizer, text: str) -> list[int]:
     """``encode`` for a document's chunk text, remembered: documents come back (that is what the KV
-    cache is for), and tokenizing 6k tokens of them costs more than the HTTP path around a request."""
+    cache is for), and tokenizing 6k tokens of them costs more than the HTTP path around them."""
     with _chunk_ids_lock:
         cache = _chunk_ids.setdefault(tokenizer, OrderedDict())
         ids = cache.get(text)
@@ -104,8 +105,8 @@ def build_segments(
 
 
 def canonical_chunk(text: str) -> str:
-    """The one text a document is cached as, whichever way it arrived (``documents``, a content part,
-    blank-line text, a framework template, ``/v1/chunks``): stripped, then one blank line."""
+    """The one text a document is cached as, whichever way it arrived (``documents``, a content
+    part, blank-line text, a framework template, ``/v1/chunks``): stripped, then one blank line."""
     text = text.strip()
     return text + CHUNK_SEPARATOR if text else ""
 
@@ -157,11 +158,11 @@ def build_completion_segments(tokenizer, prompt: str | list[int], documents: lis
         return Segments(prefix_ids=prefix, chunk_ids=chunks, query_ids=list(prompt))
     layout = split_context(prompt, "user")
     chunks += [encode_chunk(tokenizer, c) for c in canonical_chunks(layout.documents)]
-    return Segments(prefix_ids=prefix + encode(tokenizer, layout.lead), chunk_ids=[c for c in chunks if c],
-                    query_ids=encode(tokenizer, layout.tail))
+    return Segments(prefix_ids=prefix + encode(tokenizer, layout.lead),
+                    chunk_ids=[c for c in chunks if c], query_ids=encode(tokenizer, layout.tail))
 
 
-# --- chat messages as frameworks send them ---------------------------------------------------------
+# --- chat messages as frameworks send them -----------------------------------------------------
 
 _MSG_MARKER = "\ue000KVBLEND_MSG{}\ue001"
 
@@ -191,7 +192,8 @@ def render_template_pieces(tokenizer, roles: list[str]) -> list[str]:
     for i in range(len(roles)):
         marker = _MSG_MARKER.format(i)
         if rendered.count(marker) != 1 or rendered.find(marker, pos) < 0:
-            raise ValueError("the chat template did not render message content verbatim; cannot segment it")
+            raise ValueError("the chat template did not render message content verbatim; "
+                             "cannot segment it")
         at = rendered.index(marker, pos)
         pieces.append(rendered[pos:at])
         pos = at + len(marker)
@@ -199,7 +201,8 @@ def render_template_pieces(tokenizer, roles: list[str]) -> list[str]:
     return pieces
 
 
-def build_segments_from_messages(tokenizer, messages: list[dict], documents: list[str] | None = None) -> Segments:
+def build_segments_from_messages(tokenizer, messages: list[dict],
+                                 documents: list[str] | None = None) -> Segments:
     """OpenAI chat messages -> segments. Documents are found, in order of precedence, in:
     ``documents`` (chunks before the last user message's text); the last user message as an array
     of text parts (every part but the last is a document); the last user message's text and a
@@ -239,7 +242,8 @@ def _user_items(content, documents: list[str] | None) -> list[tuple[bool, str]]:
 
 
 def _layout_items(layout) -> list[tuple[bool, str]]:
-    return [(False, layout.lead)] + [(True, c) for c in canonical_chunks(layout.documents)] + [(False, layout.tail)]
+    chunks = [(True, c) for c in canonical_chunks(layout.documents)]
+    return [(False, layout.lead)] + chunks + [(False, layout.tail)]
 
 
 def _segments_from_items(tokenizer, items: list[tuple[bool, str]], user_start: int) -> Segments:

@@ -101,7 +101,7 @@ class Sequence:
         self.text = ""  # text emitted so far (stop strings never included)
         self.pending: list[TokenEvent] = []  # events produced by start() not yet handed out
         # (to_store, fresh_k, fresh_v): chained segments whose KV the engine stores after the first
-        # token is out (Engine.run_deferred); fresh_k [L, Hkv, T, d] lives in a pooled buffer until then.
+        # token is out (Engine.run_deferred); fresh_k [L, Hkv, T, d] is a pooled buffer until then.
         self.chained: tuple | None = None
         # The cache's pooled memory goes back when the sequence is dropped (finished, cancelled or failed):
         # nothing outside a Sequence holds its cache.
@@ -134,7 +134,7 @@ class Engine:
         # Chunks a request found missing: computed alone after its first token (run_deferred), so a
         # cold request costs one normal prefill and the next request with these chunks hits.
         self._deferred: dict[str, list[int]] = {}
-        # (sequence, its K workspace buffer): chained KV to store once the first token is handed out.
+        # (sequence, its K workspace buffer): chained KV to store once the first token is out.
         self._pending_stores: list[tuple[Sequence, object]] = []
 
     # ---- prompts -------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ class Engine:
     @torch.inference_mode()
     def start(self, request: GenerationRequest) -> Sequence:
         """Prefill ``request`` and sample its first token (available via ``step`` / ``pending``)."""
-        self._store_chained()  # an earlier request's chained KV: this one may start with the same segments
+        self._store_chained()  # earlier chained KV: this request may start with the same segments
         t0 = time.perf_counter()
         mode = validate_mode(request.mode or self.config.blend.mode)
         ratio = validate_ratio(self.config.blend.recompute_ratio if request.recompute_ratio is None
@@ -216,13 +216,13 @@ class Engine:
             raise
         if seq.chained is None:
             self.buffers.give(k_buffer)  # the pre-RoPE K workspace: nothing reads it past the prefill
-        else:  # stored by run_deferred (the scheduler calls it once the first token is out) or next start()
+        else:  # stored by run_deferred (the scheduler's, once the token is out) or the next start()
             self._pending_stores.append((seq, k_buffer))
         return seq
 
     def _store_chained(self) -> None:
-        """Store the chained segments of finished prefills (copies of up to the whole prompt's K and V:
-        ~100 ms for 6k tokens, kept off the TTFT), then give their K workspaces back."""
+        """Store the chained segments of finished prefills (copies of up to the whole prompt's K
+        and V, kept off the TTFT), then give their K workspaces back."""
         while self._pending_stores:
             seq, k_buffer = self._pending_stores.pop(0)
             to_store, fresh_k, fresh_v = seq.chained
@@ -269,7 +269,7 @@ class Engine:
         stats.ttft_ms = (t1 - t0) * 1e3
         stats.load_ms = (t_loaded - t0) * 1e3
         stats.compute_ms = (t1 - t_loaded) * 1e3
-        if to_store:  # chained segments, reusable by later requests with this start: stored after the token
+        if to_store:  # chained segments (for requests that start alike): stored after the token
             seq.chained = (to_store, out.fresh_k, out.fresh_v)
         if event is not None:
             seq.pending.append(event)
@@ -427,8 +427,8 @@ class Engine:
 
     @torch.inference_mode()
     def run_deferred(self, max_items: int | None = None) -> int:
-        """Store pending chained KV, then compute and store chunks that earlier requests found missing.
-        Returns how many chunks were computed."""
+        """Store pending chained KV, then compute and store chunks that earlier requests found
+        missing. Returns how many chunks were computed."""
         self._store_chained()
         done = 0
         while self._deferred and (max_items is None or done < max_items):
@@ -481,7 +481,8 @@ class Engine:
         logits = self._decode_logits(batch)  # [B, vocab]
         for row, i in enumerate(live):
             s = seqs[i]
-            events[i] = self._append_token(s, sample(logits[row], s.request.sampling, s.generator), logits[row])
+            token = sample(logits[row], s.request.sampling, s.generator)
+            events[i] = self._append_token(s, token, logits[row])
         return events
 
     def _decode_logits(self, batch: list[Sequence]) -> torch.Tensor:
@@ -505,9 +506,10 @@ class Engine:
             s.cache.length += 1
         return ops.logits(h)
 
-    def _append_token(self, seq: Sequence, token_id: int, logits: torch.Tensor) -> TokenEvent | None:
-        """Record a sampled token (from ``logits`` [vocab]); finish on EOS / stop token / stop string /
-        max_tokens."""
+    def _append_token(self, seq: Sequence, token_id: int,
+                      logits: torch.Tensor) -> TokenEvent | None:
+        """Record a token sampled from ``logits`` [vocab]; finish on EOS / stop token / stop string
+        / max_tokens."""
         params = seq.request.sampling
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_ids):
             seq.finished, seq.finish_reason = True, "stop"

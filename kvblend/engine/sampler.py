@@ -29,8 +29,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def token_logprobs(logits: torch.Tensor, token_id: int, top_k: int) -> tuple[float, list[tuple[int, float]]]:
-    """logits [vocab] -> (log-probability of ``token_id``, the ``top_k`` most likely [(id, logprob)])."""
+def token_logprobs(logits: torch.Tensor, token_id: int,
+                   top_k: int) -> tuple[float, list[tuple[int, float]]]:
+    """logits [vocab] -> (logprob of ``token_id``, the ``top_k`` most likely [(id, logprob)])."""
     logp = torch.log_softmax(logits.float().cpu(), dim=-1)
     top: list[tuple[int, float]] = []
     if top_k > 0:

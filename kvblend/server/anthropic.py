@@ -110,9 +110,8 @@ def anthropic_router(state) -> APIRouter:
             stops = list(body.stop_sequences or []) if local_stops else []
             run = _Run(timer, backend, gen, stops, body.stop_sequences or [])
             if body.stream:
-                return StreamingResponse(run.sse(), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                                  **headers})
+                headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                return StreamingResponse(run.sse(), media_type="text/event-stream", headers=headers)
             return JSONResponse(await run.message(), headers=headers)
         except errors.APIError as e:
             return error_response(e)
@@ -157,15 +156,16 @@ def _blocks(blocks: list[ContentBlock], where: str) -> list[dict]:
             out += _document_parts(b, f"{where}.{j}")
         elif b.type != "text" or b.text is None:
             raise errors.invalid_request(
-                f"{where}.{j}: only text and text document blocks are supported (got {b.type!r}).", f"{where}.{j}")
+                f"{where}.{j}: only text and text document blocks are supported (got {b.type!r}).",
+                f"{where}.{j}")
         else:
             out.append({"type": "text", "text": b.text})
     return out
 
 
 def _document_parts(b: ContentBlock, where: str) -> list[dict]:
-    """A ``document`` block -> text parts: its title (a part of its own, so the document's chunk is the
-    one ``documents`` or ``/v1/chunks`` store for the same text), then its text."""
+    """A ``document`` block -> text parts: its title (a part of its own, so the document's chunk
+    is the one ``documents`` or ``/v1/chunks`` store for the same text), then its text."""
     src = b.source or {}
     if src.get("type") == "text" and isinstance(src.get("data"), str):
         texts = [src["data"]]
@@ -174,7 +174,8 @@ def _document_parts(b: ContentBlock, where: str) -> list[dict]:
         texts = [content] if isinstance(content, str) else [
             c.get("text", "") for c in content if isinstance(c, dict) and c.get("type") == "text"]
         if isinstance(content, list) and len(texts) != len(content):
-            raise errors.invalid_request(f"{where}.source: only text content is supported.", f"{where}.source")
+            raise errors.invalid_request(f"{where}.source: only text content is supported.",
+                                         f"{where}.source")
     else:
         raise errors.invalid_request(
             f"{where}.source: only text documents (source type 'text' or 'content') are supported "

@@ -230,7 +230,8 @@ def _chat_job(body: ChatCompletionRequest, principal: Principal) -> GenerationJo
 
 
 def _card(b: Backend) -> ModelCard:
-    return ModelCard(id=b.id, created=b.created, owned_by=b.owned_by, max_model_len=max_model_len(b))
+    return ModelCard(id=b.id, created=b.created, owned_by=b.owned_by,
+                     max_model_len=max_model_len(b))
 
 
 # --- responding ----------------------------------------------------------------------------------
@@ -265,8 +266,9 @@ async def _respond(request: Request, state: ServerState, backend: Backend, job: 
     timer.first_token(job.queued_at, job.dequeued_at)  # open() returns once the first token exists
     headers = warn(state, backend.id, gen)
     if stream:
-        return StreamingResponse(_sse(timer, gen, fmt, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(_sse(timer, gen, fmt, include_usage),
+                                 media_type="text/event-stream", headers=headers)
 
     async def collect() -> Final:
         try:
@@ -287,7 +289,8 @@ def _finish_cut(timer, gen) -> None:
     """A generation that ended without its Final (client gone, error): count what was generated."""
     if not timer.done:
         stats = getattr(gen, "stats", None)
-        timer.finish(None, int(getattr(stats, "prompt_tokens", 0) or 0), int(getattr(gen, "num_tokens", 0)))
+        prompt_tokens = int(getattr(stats, "prompt_tokens", 0) or 0)
+        timer.finish(None, prompt_tokens, int(getattr(gen, "num_tokens", 0)))
 
 
 async def _sse(timer, gen, fmt, include_usage: bool) -> AsyncIterator[str]:
@@ -344,9 +347,11 @@ class _ChatFormat:
     def closing(self) -> dict:
         return {}
 
-    def chunk(self, delta: dict, finish_reason: str | None, include_usage: bool, logprobs=None) -> dict:
-        out = {**self.base(), "choices": [{"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs),
-                                           "finish_reason": finish_reason}]}
+    def chunk(self, delta: dict, finish_reason: str | None, include_usage: bool,
+              logprobs=None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs),
+                  "finish_reason": finish_reason}
+        out = {**self.base(), "choices": [choice]}
         if include_usage:
             out["usage"] = None
         return out
@@ -355,7 +360,8 @@ class _ChatFormat:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "system_fingerprint": None,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": f.text, "refusal": None},
-                             "logprobs": chat_logprobs(f.logprobs), "finish_reason": f.finish_reason}],
+                             "logprobs": chat_logprobs(f.logprobs),
+                             "finish_reason": f.finish_reason}],
                 "usage": _usage(f)}
 
 
@@ -382,16 +388,19 @@ class _CompletionFormat:
     def closing(self) -> str:
         return ""
 
-    def chunk(self, text: str, finish_reason: str | None, include_usage: bool, logprobs=None) -> dict:
+    def chunk(self, text: str, finish_reason: str | None, include_usage: bool,
+              logprobs=None) -> dict:
         lp = completion_logprobs(logprobs, self.delta_offset)
-        out = {**self.base(), "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}]}
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+        out = {**self.base(), "choices": [choice]}
         if include_usage:
             out["usage"] = None
         return out
 
     def full(self, f: Final) -> dict:
         return {**self.base(), "choices": [{"index": 0, "text": self.echo + f.text,
-                                            "logprobs": completion_logprobs(f.logprobs, len(self.echo)),
+                                            "logprobs": completion_logprobs(f.logprobs,
+                                                                            len(self.echo)),
                                             "finish_reason": f.finish_reason}], "usage": _usage(f)}
 
 

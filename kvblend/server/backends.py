@@ -147,7 +147,7 @@ class LocalStream:
         self.stats = stats
         self._decode = decode  # token id -> text, for logprobs entries
         self.num_tokens = 0  # tokens received so far: usage of a stream the client cut short
-        self.warning: str | None = None  # set by the server (reuse_warning): goes into Final.kvblend
+        self.warning: str | None = None  # set by the server (reuse_warning): into Final.kvblend
 
     def cancel(self) -> None:
         self._handle.cancel()

@@ -21,9 +21,11 @@ def chat_setting(logprobs: bool | None, top_logprobs: int | None) -> int | None:
     return (top_logprobs or 0) if logprobs else None
 
 
-def token_entry(decode: Callable[[int], str], token_id: int, logprob: float,
-                top: list[tuple[int, float]] | None) -> dict:
+def token_entry(
+    decode: Callable[[int], str], token_id: int, logprob: float, top: list[tuple[int, float]] | None
+) -> dict:
     """One chat ``logprobs.content`` entry: token text, logprob, UTF-8 bytes, top alternatives."""
+
     def one(tid: int, lp: float) -> dict:
         text = decode(tid)
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
@@ -43,6 +45,9 @@ def completion_logprobs(entries: list[dict] | None, text_offset: int) -> dict | 
     for e in entries:
         offsets.append(text_offset)
         text_offset += len(e["token"])
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-            "text_offset": offsets}
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }

@@ -20,10 +20,14 @@ def max_model_len(backend) -> int | None:
 
 
 def model_info(backend) -> dict[str, str]:
-    """Labels of the info metric: version, model, dtype, attention kernel (upstreams: "upstream")."""
+    """Labels of the info metric: version, model, dtype, attention kernel."""
     engine = getattr(backend, "engine", None)
     ops = getattr(engine, "ops", None)
     dtype = str(getattr(ops, "dtype", "")).removeprefix("torch.") if ops is not None else ""
-    return {"model_name": backend.id, "version": kvblend_version(),
-            "backend": "local" if engine is not None else "upstream",
-            "dtype": dtype or "unknown", "attention_kernel": str(getattr(engine, "attention_kernel", "")) or "none"}
+    return {
+        "model_name": backend.id,
+        "version": kvblend_version(),
+        "backend": "local" if engine is not None else "upstream",
+        "dtype": dtype or "unknown",
+        "attention_kernel": str(getattr(engine, "attention_kernel", "")) or "none",
+    }

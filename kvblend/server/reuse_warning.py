@@ -9,8 +9,10 @@ from __future__ import annotations
 
 HEADER = "X-KVBlend-Warning"
 LONG_PROMPT_TOKENS = 1024  # shorter prompts cost little to prefill whole: no warning
-_HOW = ("send each document as its own content part, in `documents`, or separated by blank lines; "
-        "see docs/FRAMEWORKS.md")
+_HOW = (
+    "send each document as its own content part, in `documents`, or separated by blank lines; "
+    "see docs/FRAMEWORKS.md"
+)
 
 
 def reuse_warning(stats: dict | None) -> tuple[str, str] | None:
@@ -22,8 +24,11 @@ def reuse_warning(stats: dict | None) -> tuple[str, str] | None:
         return None
     found = "no document" if num_chunks == 0 else "only one document"
     reason = "no_chunks" if num_chunks == 0 else "one_chunk"
-    return reason, f"kvblend found {found} in this {num_tokens}-token prompt, so none of it can be reused " \
-                   f"when the documents come in another order: {_HOW}."
+    return (
+        reason,
+        f"kvblend found {found} in this {num_tokens}-token prompt, so none of it can be reused "
+        f"when the documents come in another order: {_HOW}.",
+    )
 
 
 def warn(state, model: str, gen) -> dict[str, str]:

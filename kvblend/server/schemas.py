@@ -83,7 +83,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # Not supported yet: a request that uses them gets a 400 naming the field (kvblend/server/unsupported.py)
+    # Not supported yet: using one is a 400 naming the field (kvblend/server/unsupported.py)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None
@@ -164,7 +164,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "kvblend"
-    max_model_len: int | None = None  # the context window in tokens (vLLM's field); None: unknown (upstream)
+    max_model_len: int | None = None  # context window in tokens (vLLM's field); None: upstream
 
 
 class ModelList(BaseModel):

@@ -24,7 +24,9 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None  # default: True for a prompt (vLLM's); messages use the template
+    add_special_tokens: bool | None = (
+        None  # default: True for a prompt (vLLM's); messages use the template
+    )
     documents: list[str] | None = None  # kvblend's extension, as in chat requests
 
 
@@ -45,7 +47,12 @@ def tokenize_router(state) -> APIRouter:
         if (body.prompt is None) == (body.messages is None):
             raise errors.invalid_request("Send exactly one of prompt and messages.", "prompt")
         ids = await asyncio.to_thread(_ids, engine, body)
-        return {"count": len(ids), "max_model_len": max_model_len(backend), "tokens": ids, "token_strs": None}
+        return {
+            "count": len(ids),
+            "max_model_len": max_model_len(backend),
+            "tokens": ids,
+            "token_strs": None,
+        }
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, _: Principal = auth) -> Any:
@@ -53,7 +60,9 @@ def tokenize_router(state) -> APIRouter:
         vocab = len(engine.tokenizer)
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
-            raise errors.invalid_request(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
+            raise errors.invalid_request(
+                f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}", "tokens"
+            )
         text = await asyncio.to_thread(engine.tokenizer.decode, body.tokens)
         return {"prompt": text}
 
@@ -63,7 +72,9 @@ def tokenize_router(state) -> APIRouter:
 def _engine(backend):
     engine = getattr(backend, "engine", None)
     if engine is None:
-        raise errors.invalid_request(f"model {backend.id!r} is served by an upstream: tokenize there.", "model")
+        raise errors.invalid_request(
+            f"model {backend.id!r} is served by an upstream: tokenize there.", "model"
+        )
     return engine
 
 
@@ -71,9 +82,15 @@ def _ids(engine, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
         return list(engine.tokenizer.encode(body.prompt, add_special_tokens=special))
-    messages = [{"role": "system" if m.role == "developer" else m.role,
-                 "content": [p.model_dump() for p in m.content] if isinstance(m.content, list) else m.content or ""}
-                for m in body.messages]
+    messages = [
+        {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": [p.model_dump() for p in m.content]
+            if isinstance(m.content, list)
+            else m.content or "",
+        }
+        for m in body.messages
+    ]
     try:
         return engine.segments_from_messages(messages, documents=body.documents or None).token_ids
     except ValueError as e:

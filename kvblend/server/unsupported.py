@@ -14,11 +14,17 @@ def check_chat(body) -> None:
     if body.functions:
         raise errors.invalid_request("functions are not supported by this server yet.", "functions")
     if body.tool_choice not in (None, "none"):
-        raise errors.invalid_request("tool_choice is not supported by this server yet.", "tool_choice")
+        raise errors.invalid_request(
+            "tool_choice is not supported by this server yet.", "tool_choice"
+        )
     if body.function_call not in (None, "none"):
-        raise errors.invalid_request("function_call is not supported by this server yet.", "function_call")
+        raise errors.invalid_request(
+            "function_call is not supported by this server yet.", "function_call"
+        )
     kind = (body.response_format or {}).get("type", "text")
     if kind != "text":
         raise errors.invalid_request(
-            f"response_format of type {kind!r} is not supported by this server yet; only 'text' is.",
-            "response_format")
+            f"response_format of type {kind!r} is not supported by this server yet; "
+            "only 'text' is.",
+            "response_format",
+        )
