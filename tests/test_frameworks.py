@@ -7,6 +7,7 @@ own document texts, so hits come only from what that test sent.
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
 import time
 
@@ -480,3 +481,24 @@ def test_models_tokenize_detokenize(server, client):
     bad = httpx.post(server.base_url + "/detokenize", json={"tokens": [10**9]}, headers=auth)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert httpx.post(server.base_url + "/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+def test_every_request_of_a_burst_counts_once(server, client):
+    """TTFT, e2e and generation-token series get one observation per request, streamed or not."""
+    names = ("kvblend_ttft_seconds_count", "kvblend_e2e_request_latency_seconds_count")
+    before = [metric(server, n, model_name=MODEL) for n in names]
+
+    def one(i: int) -> None:
+        kw = {"stream": True} if i % 2 else {}
+        r = client.chat.completions.create(
+            model=MODEL, max_tokens=3, messages=[{"role": "user", "content": f"Say {i}."}], **kw
+        )
+        if kw:
+            list(r)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        list(pool.map(one, range(6)))
+    deadline = time.monotonic() + 10  # a stream's last series land just after its [DONE]
+    while [metric(server, n, model_name=MODEL) for n in names] != [b + 6 for b in before]:
+        assert time.monotonic() < deadline, [metric(server, n, model_name=MODEL) for n in names]
+        time.sleep(0.1)
