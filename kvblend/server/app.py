@@ -26,7 +26,7 @@ from kvblend.server.backends import Backend, Delta, Final, GenerationJob, build_
 from kvblend.server.anthropic import anthropic_router
 from kvblend.server import unsupported
 from kvblend.server.logprobs import chat_logprobs, chat_setting, completion_logprobs
-from kvblend.server.metrics import Metrics
+from kvblend.server.metrics import Metrics, probe_remote_tiers
 from kvblend.server.model_info import max_model_len, model_info
 from kvblend.server.reuse_warning import warn
 from kvblend.server.tokenize import tokenize_router
@@ -66,7 +66,10 @@ class ServerState:
         return {b.id: (b.queue_depth(), b.active()) for b in self.by_id.values()}
 
     def store_stats(self) -> dict:
-        return self.store.stats() if self.store is not None and hasattr(self.store, "stats") else {}
+        if self.store is None or not hasattr(self.store, "stats"):
+            return {}
+        probe_remote_tiers(self.store)  # Redis reachability, measured at scrape time
+        return self.store.stats()
 
     def resolve(self, model: str | None) -> Backend:
         if not self.ready:
@@ -121,7 +124,8 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        body = await asyncio.to_thread(state.metrics.render)  # a Redis probe may wait on a socket
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models(_: Principal = auth) -> Any:

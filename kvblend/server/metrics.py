@@ -215,6 +215,21 @@ def store_reachability(stats: dict) -> dict[str, bool]:
     return out
 
 
+PROBE_KEY = "kvblend-reachability-probe"
+
+
+def probe_remote_tiers(store) -> None:
+    """One cheap lookup in each remote tier (those with ``available``), so that their circuit state
+    (and ``kvblend_store_reachable``) follows the server even while no request touches it. A dead
+    server costs one short socket timeout, then nothing until its backoff ends."""
+    for tier in getattr(store, "tiers", [store]):
+        if hasattr(tier, "available") and hasattr(tier, "contains"):
+            try:
+                tier.contains(PROBE_KEY)
+            except Exception:  # a probe must never break the scrape
+                log.debug("store probe failed", exc_info=True)
+
+
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
