@@ -1,4 +1,4 @@
-"""kvblend/server/metrics.py against a real redis-server: the reachability gauge follows the server."""
+"""kvblend/server/metrics.py with a real redis-server: the reachability gauge follows it."""
 
 from __future__ import annotations
 
