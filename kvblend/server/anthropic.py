@@ -105,7 +105,7 @@ def anthropic_router(state) -> APIRouter:
             job = to_job(body, principal.namespace, send_stops=not local_stops)
             timer = state.metrics.timer(backend.id, time.perf_counter())
             gen = await backend.open(job)
-            timer.first_token(job.queued_at, job.dequeued_at)
+            timer.first_token(job.queue_s)
             headers = warn(state, backend.id, gen)
             stops = list(body.stop_sequences or []) if local_stops else []
             run = _Run(timer, backend, gen, stops, body.stop_sequences or [])

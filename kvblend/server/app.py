@@ -110,7 +110,6 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
     app.state.kvblend = state
     errors.install_error_handlers(app)
     app.include_router(anthropic_router(state))  # POST /v1/messages (Anthropic-shaped errors of its own)
-    app.include_router(tokenize_router(state))  # POST /tokenize, /detokenize (vLLM's)
     app.add_middleware(_RequestMetricsMiddleware, metrics=state.metrics)
     auth = Depends(state.auth)
 
@@ -184,6 +183,7 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
         total = sum(c.num_tokens for c in data)
         return ChunksResponse(model=backend.id, data=data, usage={"prompt_tokens": total, "total_tokens": total})
 
+    app.include_router(tokenize_router(state))  # POST /tokenize, /detokenize (vLLM's)
     return app
 
 
@@ -267,7 +267,7 @@ async def _respond(request: Request, state: ServerState, backend: Backend, job: 
                    include_usage: bool, fmt: "_ChatFormat | _CompletionFormat") -> Response:
     timer = state.metrics.timer(backend.id, time.perf_counter())
     gen = await _until_disconnect(request, backend.open(job))
-    timer.first_token(job.queued_at, job.dequeued_at)  # open() returns once the first token exists
+    timer.first_token(job.queue_s)  # open() returns once the first token exists
     headers = warn(state, backend.id, gen)
     if stream:
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -18,10 +18,10 @@ from typing import Any, Protocol, Union
 
 from kvblend.blend.segmenter import build_completion_segments
 from kvblend.config import ModelEntry, ServerConfig, StoreConfig, parse_selection
+from kvblend.server.logprobs import token_entry  # noqa: I001 (kept apart from lines others edit)
 from kvblend.engine.request import GenerationRequest, GenerationResult, PrefillStats, SamplingParams, TokenEvent
 from kvblend.engine.scheduler import Failed, QueueFullError, Scheduler, SchedulerClosedError, Started
 from kvblend.server import errors
-from kvblend.server.logprobs import token_entry
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,7 @@ class GenerationJob:
     selection: str | None = None
     namespace: str = ""
     logprobs: int | None = None  # None: off; k: each token's logprob and the top k alternatives
-    queued_at: float = 0.0  # time.perf_counter() when handed to the scheduler
-    dequeued_at: float = 0.0  # when the worker took it up (the queue time ends)
+    queue_s: float | None = None  # set by LocalBackend.open: waited for the worker before prefill
 
 
 @dataclass
@@ -99,7 +98,6 @@ class PromptTooLong(ValueError):
 
 def build_request(engine, job: GenerationJob, default_max_tokens: int) -> GenerationRequest:
     """Runs on the worker thread: tokenizes, checks the context window, fixes max_tokens."""
-    job.dequeued_at = time.perf_counter()
     if job.messages is not None:
         segs = engine.segments_from_messages(job.messages, documents=job.documents or None)
     else:
@@ -237,7 +235,6 @@ class LocalBackend:
             loop.call_soon_threadsafe(queue.put_nowait, ev)
 
         default_max = self.config.default_max_tokens
-        job.queued_at = time.perf_counter()
         try:
             handle = self._scheduler().submit(lambda engine: build_request(engine, job, default_max), sink)
         except QueueFullError as e:
@@ -252,6 +249,9 @@ class LocalBackend:
         if isinstance(first, Failed):
             raise map_engine_error(first.error)
         assert isinstance(first, Started), first
+        # submitted -> Started, less the engine's own prefill time: the wait for the worker
+        waited = time.perf_counter() - handle.submitted_at - first.stats.ttft_ms / 1000
+        job.queue_s = max(0.0, waited)
         decode = self.engine.tokenizer.decode if job.logprobs is not None else None
         return LocalStream(handle, queue, first.stats, decode)
 

@@ -164,12 +164,12 @@ class RequestTimer:
         self.last: float | None = None
         self.done = False
 
-    def first_token(self, queued_at: float = 0.0, dequeued_at: float = 0.0) -> None:
+    def first_token(self, queue_s: float | None = None) -> None:
         """The first token exists (the prefill returned); the queue wait when the backend knows."""
         self.last = time.perf_counter()
         self.m.ttft.labels(self.model).observe(self.last - self.arrival)
-        if queued_at and dequeued_at >= queued_at:
-            self.m.queue_time.labels(self.model).observe(dequeued_at - queued_at)
+        if queue_s is not None:
+            self.m.queue_time.labels(self.model).observe(queue_s)
 
     def token(self) -> None:
         now = time.perf_counter()

@@ -93,9 +93,9 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] = Field(min_length=0)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool | None = False
     best_of: int | None = Field(default=None, ge=1, le=20)
-    logprobs: int | None = Field(default=None, ge=0, le=5)
 
 
 class ChunksRequest(_Request):
