@@ -502,3 +502,28 @@ def test_every_request_of_a_burst_counts_once(server, client):
     while [metric(server, n, model_name=MODEL) for n in names] != [b + 6 for b in before]:
         assert time.monotonic() < deadline, [metric(server, n, model_name=MODEL) for n in names]
         time.sleep(0.1)
+
+
+def test_dspy_numbered_context(server, client):
+    """DSPy's ChatAdapter layout (rendered as dspy 3.4 does; the dspy package is not installed)."""
+    from test_layouts import _dspy_list
+
+    ds = docs("dspy")
+
+    def ask(order, question):
+        content = (
+            f"[[ ## context ## ]]\n{_dspy_list(order)}\n\n[[ ## question ## ]]\n{question}\n\n"
+            "Respond with the corresponding output fields, starting with the field `[[ ## answer ## ]]`."
+        )
+        system = "Your input fields are:\n1. `context` (list[str])\n2. `question` (str)"
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": content}]
+        r = client.chat.completions.create(model=MODEL, max_tokens=2, messages=messages)
+        return r.usage.model_extra["kvblend"]
+
+    first = ask(ds, "When was the lighthouse built?")
+    assert (first["chunks_hit"], first["chunks_total"]) == (
+        0,
+        5,
+    )  # 3 documents, 2 "»\n[n] «" between
+    second = ask(reordered(ds), "Which river floods?")
+    assert (second["chunks_hit"], second["chunks_total"]) == (5, 5)

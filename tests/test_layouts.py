@@ -107,3 +107,30 @@ def test_canonical_chunk_is_the_same_text_whichever_way():
         == "doc\n\n"
     )
     assert canonical_chunk("   ") == ""
+
+
+def _dspy_list(texts: list[str]) -> str:
+    """DSPy 3.4's rendering of a list[str] input field (dspy/adapters/utils.py)."""
+
+    def blob(t: str) -> str:
+        if "\n" not in t and "«" not in t and "»" not in t:
+            return f"«{t}»"
+        return "«««\n    " + t.replace("\n", "\n    ") + "\n»»»"
+
+    return "\n".join(f"[{i + 1}] {blob(t)}" for i, t in enumerate(texts))
+
+
+def test_dspy_numbered_context_field():
+    multi = "First line of a poem.\nSecond line."
+    docs = DOCS + [multi]
+    text = (
+        "[[ ## context ## ]]\n" + _dspy_list(docs) + "\n\n[[ ## question ## ]]\nWhich river?\n\n"
+        "Respond with the corresponding output fields, starting with the field `[[ ## answer ## ]]`."
+    )
+    lay = split_context(text)
+    assert lay.documents[:3] == DOCS and lay.documents[3].strip() == multi.replace("\n", "\n    ")
+    assert lay.lead == "[[ ## context ## ]]\n[1] «" and lay.glue[:2] == ["»\n[2] «", "»\n[3] «"]
+    assert lay.glue[2] == "»\n[4] «««\n" and lay.tail.startswith("\n»»»\n\n[[ ## question ## ]]")
+    # the same documents in another order: the same document texts, the same glue by position
+    again = split_context(text.replace(_dspy_list(docs), _dspy_list(docs[::-1])))
+    assert sorted(map(str.strip, again.documents)) == sorted(map(str.strip, lay.documents))

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 # A line of one character repeated (3+ times): "-----", "=====", "*****".
 _RULE = re.compile(r"^[ \t]*([-=*_~#])\1{2,}[ \t]*$", re.M)
 _LABEL = re.compile(
-    r"^[ \t]*(?:\[\[ ## context ## \]\][ \t]*|(?:#+[ \t]*)?(?:retrieved |new )?"
+    r"^[ \t]*(?:\[\[ ## (?:contexts?|passages|documents|sources) ## \]\][ \t]*|"
+    r"(?:#+[ \t]*)?(?:retrieved |new )?"
     r"(?:context|documents|passages|sources)(?: information)?[ \t]*:[ \t]*)",
     re.I | re.M,
 )
@@ -45,6 +46,8 @@ class Layout:
     lead: str
     documents: list[str] = field(default_factory=list)
     tail: str = ""
+    # Template text between consecutive documents (DSPy's "»\n[2] «"); empty: adjacent.
+    glue: list[str] = field(default_factory=list)
 
 
 def split_context(text: str, role: str = "user") -> Layout:
@@ -53,6 +56,9 @@ def split_context(text: str, role: str = "user") -> Layout:
         region = finder(text)
         if region is not None:
             start, end = region
+            numbered = _numbered(text, start, end)
+            if numbered is not None:
+                return numbered
             docs = split_documents(text[start:end])
             if docs:
                 return Layout(text[:start], docs, text[end:])
@@ -78,6 +84,32 @@ def split_documents(region: str) -> list[str]:
     if pending:
         docs.append(pending.strip())
     return docs
+
+
+# DSPy's list-of-strings input field (dspy/adapters/utils.py, _format_input_list_field_value):
+# "[1] «text»" a line, or "[1] «««\n    text\n»»»" when the text has line breaks.
+_NUMBERED = re.compile(
+    r"\[(\d+)\] (?:«««\n(?P<block>.*?)\n»»»|«(?P<line>[^\n]*)»)(?=\n\[\d+\] |\s*$)", re.S
+)
+
+
+def _numbered(text: str, start: int, end: int) -> Layout | None:
+    """A numbered «…» list filling the region: each text a document; the numbers and quotes stay
+    template text (between documents: small chunks of their own, the same in any order)."""
+    region = text[start:end]
+    pos, stop = len(region) - len(region.lstrip()), len(region.rstrip())
+    spans: list[tuple[int, int]] = []
+    while pos < stop:
+        m = _NUMBERED.match(region, pos, stop)
+        if m is None or int(m.group(1)) != len(spans) + 1:
+            return None
+        spans.append(m.span("block") if m.group("block") is not None else m.span("line"))
+        pos = m.end() + 1  # the line break before the next item
+    if len(spans) < 2:
+        return None
+    docs = [region[a:b] for a, b in spans]
+    glue = [region[spans[i][1]:spans[i + 1][0]] for i in range(len(spans) - 1)]
+    return Layout(text[:start + spans[0][0]], docs, text[start + spans[-1][1]:], glue)
 
 
 def _is_metadata(piece: str) -> bool:

@@ -242,8 +242,12 @@ def _user_items(content, documents: list[str] | None) -> list[tuple[bool, str]]:
 
 
 def _layout_items(layout) -> list[tuple[bool, str]]:
-    chunks = [(True, c) for c in canonical_chunks(layout.documents)]
-    return [(False, layout.lead)] + chunks + [(False, layout.tail)]
+    items: list[tuple[bool, str]] = [(False, layout.lead)]
+    for i, doc in enumerate(layout.documents):
+        items.append((True, canonical_chunk(doc)))
+        if i < len(layout.glue):
+            items.append((False, layout.glue[i]))
+    return items + [(False, layout.tail)]
 
 
 def _segments_from_items(tokenizer, items: list[tuple[bool, str]], user_start: int) -> Segments:
