@@ -513,7 +513,8 @@ def test_dspy_numbered_context(server, client):
     def ask(order, question):
         content = (
             f"[[ ## context ## ]]\n{_dspy_list(order)}\n\n[[ ## question ## ]]\n{question}\n\n"
-            "Respond with the corresponding output fields, starting with the field `[[ ## answer ## ]]`."
+            "Respond with the corresponding output fields, starting with the field "
+            "`[[ ## answer ## ]]`."
         )
         system = "Your input fields are:\n1. `context` (list[str])\n2. `question` (str)"
         messages = [{"role": "system", "content": system}, {"role": "user", "content": content}]

@@ -125,7 +125,8 @@ def test_dspy_numbered_context_field():
     docs = DOCS + [multi]
     text = (
         "[[ ## context ## ]]\n" + _dspy_list(docs) + "\n\n[[ ## question ## ]]\nWhich river?\n\n"
-        "Respond with the corresponding output fields, starting with the field `[[ ## answer ## ]]`."
+        "Respond with the corresponding output fields, starting with the field "
+        "`[[ ## answer ## ]]`."
     )
     lay = split_context(text)
     assert lay.documents[:3] == DOCS and lay.documents[3].strip() == multi.replace("\n", "\n    ")
