@@ -77,8 +77,13 @@ def instrument(marks: list[dict]) -> None:
         return await mw_call(self, scope, receive, send)
 
     app_mod._RequestMetricsMiddleware.__call__ = middleware
-    check = app_mod.unsupported.check_chat
-    app_mod.unsupported.check_chat = lambda body: (stamp("handler"), check(body))[1]
+    chat_job = app_mod._chat_job  # called once the body is validated
+
+    def stamped_chat_job(*args, **kw):
+        stamp("handler")
+        return chat_job(*args, **kw)
+
+    app_mod._chat_job = stamped_chat_job
     build = backends.build_request
 
     def build_request(engine, job, default_max):
