@@ -153,10 +153,11 @@ def _metric(text: str, name: str, **labels) -> float:
 def test_metrics_per_model(front):
     m = httpx.get(front.base_url + "/metrics", timeout=10).text
     for model in (LOCAL, REMOTE):
-        assert _metric(m, "kvblend_requests_total", model=model, endpoint="/v1/chat/completions", status="200") > 0
-        assert _metric(m, "kvblend_requests_total", model=model, endpoint="/v1/messages", status="200") > 0
-        assert _metric(m, "kvblend_ttft_seconds_count", model=model) > 0
-    assert _metric(m, "kvblend_requests_total", model=BADKEY, status="502") > 0
+        assert _metric(m, "kvblend_requests_total", model_name=model, endpoint="/v1/chat/completions",
+                       status="200") > 0
+        assert _metric(m, "kvblend_requests_total", model_name=model, endpoint="/v1/messages", status="200") > 0
+        assert _metric(m, "kvblend_ttft_seconds_count", model_name=model) > 0
+    assert _metric(m, "kvblend_requests_total", model_name=BADKEY, status="502") > 0
 
 
 def test_stopped_upstream_is_502_while_local_answers(servers, oai, claude):

@@ -112,8 +112,8 @@ def test_forward_rewrites_model_and_key(monkeypatch):
         assert h["status"] == "ok" and h["upstreams"]["remote"]["reachable"] is True
         assert UP_KEY not in json.dumps(h)
         m = c.get("/metrics").text
-        assert 'kvblend_requests_total{endpoint="/v1/chat/completions",model="remote",status="200"} 2.0' in m
-        assert 'kvblend_ttft_seconds_count{model="remote"} 1.0' in m
+        assert 'kvblend_requests_total{endpoint="/v1/chat/completions",model_name="remote",status="200"} 2.0' in m
+        assert 'kvblend_ttft_seconds_count{model_name="remote"} 1.0' in m
 
 
 @pytest.mark.parametrize("model, status, code", [

@@ -240,7 +240,7 @@ def test_metrics_move(server, client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     after = httpx.get(server.base_url + "/metrics").text
-    ok = dict(endpoint="/v1/chat/completions", status="200", model=MODEL)
+    ok = dict(endpoint="/v1/chat/completions", status="200", model_name=MODEL)
     assert _metric(after, "kvblend_requests_total", **ok) > _metric(before, "kvblend_requests_total", **ok)
     assert _metric(after, "kvblend_requests_total", status="404") > _metric(before, "kvblend_requests_total", status="404")
     assert _metric(after, "kvblend_ttft_seconds_count") > _metric(before, "kvblend_ttft_seconds_count")
@@ -258,7 +258,7 @@ def test_disconnect_cancels_generation(server):
                 break  # got a token: hang up mid-generation
     deadline = time.monotonic() + 20  # 4000 tokens would take minutes; cancellation takes a decode step
     while True:
-        active = _metric(httpx.get(server.base_url + "/metrics").text, "kvblend_active_sequences", model=MODEL)
+        active = _metric(httpx.get(server.base_url + "/metrics").text, "kvblend_active_sequences", model_name=MODEL)
         if active == 0:
             break
         assert time.monotonic() < deadline, "generation kept running after the client disconnected"

@@ -7,7 +7,12 @@ joined string is never re-tokenized: every prefill mode sees exactly ``Segments.
 from __future__ import annotations
 
 import re
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from kvblend.blend.layouts import split_context
 
 # Separator appended to each chunk's text, so chunks concatenate with no template glue between them.
 CHUNK_SEPARATOR = "\n\n"
@@ -46,6 +51,29 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
+CHUNK_IDS_CACHE_SIZE = 8192  # documents remembered per tokenizer (a few KB of ids each)
+_chunk_ids: "weakref.WeakKeyDictionary[object, OrderedDict[str, tuple[int, ...]]]" = \
+    weakref.WeakKeyDictionary()
+_chunk_ids_lock = threading.Lock()
+
+
+def encode_chunk(tokenizer, text: str) -> list[int]:
+    """``encode`` for a document's chunk text, remembered: documents come back (that is what the KV
+    cache is for), and tokenizing 6k tokens of them costs more than the HTTP path around them."""
+    with _chunk_ids_lock:
+        cache = _chunk_ids.setdefault(tokenizer, OrderedDict())
+        ids = cache.get(text)
+        if ids is not None:
+            cache.move_to_end(text)
+            return list(ids)
+    ids = tuple(encode(tokenizer, text))
+    with _chunk_ids_lock:
+        cache[text] = ids
+        if len(cache) > CHUNK_IDS_CACHE_SIZE:
+            cache.popitem(last=False)
+    return list(ids)
+
+
 def render_template_halves(tokenizer, system: str | None, history: list[dict] | None = None) -> tuple[str, str]:
     """The chat template rendered around the last user turn: (text before its content, text after).
 
@@ -72,8 +100,19 @@ def build_segments(
     history: list[dict] | None = None,
 ) -> Segments:
     """Segments for: [template start, system, history, user: instruction] [doc + sep]... [question + template end]."""
-    return build_segments_from_parts(tokenizer, [d + CHUNK_SEPARATOR for d in documents if d], question,
+    return build_segments_from_parts(tokenizer, canonical_chunks(documents), question,
                                      system, history, leading_text=instruction)
+
+
+def canonical_chunk(text: str) -> str:
+    """The one text a document is cached as, whichever way it arrived (``documents``, a content
+    part, blank-line text, a framework template, ``/v1/chunks``): stripped, then one blank line."""
+    text = text.strip()
+    return text + CHUNK_SEPARATOR if text else ""
+
+
+def canonical_chunks(texts: list[str]) -> list[str]:
+    return [c for c in map(canonical_chunk, texts) if c]
 
 
 def split_plain_text(text: str) -> tuple[list[str], str]:
@@ -104,7 +143,7 @@ def build_segments_from_parts(
     before, after = render_template_halves(tokenizer, system, history)
     return Segments(
         prefix_ids=encode(tokenizer, before + leading_text),
-        chunk_ids=[ids for ids in (encode(tokenizer, t) for t in chunk_texts) if ids],
+        chunk_ids=[ids for ids in (encode_chunk(tokenizer, t) for t in chunk_texts) if ids],
         query_ids=encode(tokenizer, query_text + after),
     )
 
@@ -114,9 +153,121 @@ def build_completion_segments(tokenizer, prompt: str | list[int], documents: lis
     [prompt pieces]. A text prompt is auto-segmented like a plain chat message, so blank-line-joined
     documents hit the cache; a prompt of token ids is the query as is."""
     prefix = list(tokenizer.encode("", add_special_tokens=True))  # BOS for Llama-style tokenizers, else []
-    chunks = [encode(tokenizer, d + CHUNK_SEPARATOR) for d in documents if d]
+    chunks = [encode_chunk(tokenizer, c) for c in canonical_chunks(documents)]
     if isinstance(prompt, list):
         return Segments(prefix_ids=prefix, chunk_ids=chunks, query_ids=list(prompt))
-    pieces, query = split_plain_text(prompt)
-    chunks += [encode(tokenizer, p) for p in pieces]
-    return Segments(prefix_ids=prefix, chunk_ids=[c for c in chunks if c], query_ids=encode(tokenizer, query))
+    layout = split_context(prompt, "user")
+    chunks += [encode_chunk(tokenizer, c) for c in canonical_chunks(layout.documents)]
+    return Segments(prefix_ids=prefix + encode(tokenizer, layout.lead),
+                    chunk_ids=[c for c in chunks if c], query_ids=encode(tokenizer, layout.tail))
+
+
+# --- chat messages as frameworks send them -----------------------------------------------------
+
+_MSG_MARKER = "\ue000KVBLEND_MSG{}\ue001"
+
+
+def part_text(part) -> str:
+    if isinstance(part, str):
+        return part
+    if isinstance(part, dict) and part.get("type", "text") == "text":
+        return part.get("text", "") or ""
+    raise ValueError("only text content parts are supported")
+
+
+def content_text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "".join(part_text(p) for p in content)
+    return str(content)
+
+
+def render_template_pieces(tokenizer, roles: list[str]) -> list[str]:
+    """The chat template's own text around each message's content: ``len(roles) + 1`` pieces, the
+    last ending with the generation prompt."""
+    marked = [{"role": r, "content": _MSG_MARKER.format(i)} for i, r in enumerate(roles)]
+    rendered = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+    pieces, pos = [], 0
+    for i in range(len(roles)):
+        marker = _MSG_MARKER.format(i)
+        if rendered.count(marker) != 1 or rendered.find(marker, pos) < 0:
+            raise ValueError("the chat template did not render message content verbatim; "
+                             "cannot segment it")
+        at = rendered.index(marker, pos)
+        pieces.append(rendered[pos:at])
+        pos = at + len(marker)
+    pieces.append(rendered[pos:])
+    return pieces
+
+
+def build_segments_from_messages(tokenizer, messages: list[dict],
+                                 documents: list[str] | None = None) -> Segments:
+    """OpenAI chat messages -> segments. Documents are found, in order of precedence, in:
+    ``documents`` (chunks before the last user message's text); the last user message as an array
+    of text parts (every part but the last is a document); the last user message's text and a
+    leading system message's text, each split by ``layouts.split_context`` (framework templates,
+    blank-line paragraphs). Each document becomes one chunk (``canonical_chunk``); the template's
+    text before the first chunk is the prefix, after the last the query, and text between two
+    chunks (a system message's end and the user's start) a chunk of its own."""
+    if not messages or messages[-1].get("role") != "user":
+        raise ValueError("messages must end with a user message")
+    roles = ["system" if m.get("role") == "developer" else m.get("role", "user") for m in messages]
+    glue = render_template_pieces(tokenizer, roles)
+    items: list[tuple[bool, str]] = []  # (is a chunk, text), in prompt order
+    last = len(messages) - 1
+    user_start = 0
+    for i, m in enumerate(messages):
+        items.append((False, glue[i]))
+        if i == last:
+            user_start = len(items)
+            items += _user_items(m.get("content"), documents)
+        elif i == 0 and roles[0] == "system":
+            items += _layout_items(split_context(content_text(m.get("content")), "system"))
+        else:
+            items.append((False, content_text(m.get("content"))))
+    items.append((False, glue[-1]))
+    return _segments_from_items(tokenizer, items, user_start)
+
+
+def _user_items(content, documents: list[str] | None) -> list[tuple[bool, str]]:
+    if documents:
+        return [(True, c) for c in canonical_chunks(documents)] + [(False, content_text(content))]
+    if isinstance(content, list) and len(content) > 1:
+        parts = [t for t in map(part_text, content) if t]
+        if len(parts) > 1:
+            return [(True, c) for c in canonical_chunks(parts[:-1])] + [(False, parts[-1])]
+        content = parts
+    return _layout_items(split_context(content_text(content), "user"))
+
+
+def _layout_items(layout) -> list[tuple[bool, str]]:
+    items: list[tuple[bool, str]] = [(False, layout.lead)]
+    for i, doc in enumerate(layout.documents):
+        items.append((True, canonical_chunk(doc)))
+        if i < len(layout.glue):
+            items.append((False, layout.glue[i]))
+    return items + [(False, layout.tail)]
+
+
+def _segments_from_items(tokenizer, items: list[tuple[bool, str]], user_start: int) -> Segments:
+    """Template text before the first chunk -> prefix, after the last -> query; text between two
+    chunks is a chunk itself. With no chunk, the prefix ends where the last user message starts."""
+    chunk_at = [i for i, (is_chunk, _) in enumerate(items) if is_chunk]
+    if not chunk_at:
+        return Segments(prefix_ids=encode(tokenizer, "".join(t for _, t in items[:user_start])),
+                        query_ids=encode(tokenizer, "".join(t for _, t in items[user_start:])))
+    first, last = chunk_at[0], chunk_at[-1]
+    chunks: list[str] = []
+    glue = ""
+    for is_chunk, text in items[first:last + 1]:
+        if is_chunk:
+            if glue.strip():
+                chunks.append(glue)
+            chunks.append(text)
+            glue = ""
+        else:
+            glue += text
+    return Segments(prefix_ids=encode(tokenizer, "".join(t for _, t in items[:first])),
+                    chunk_ids=[ids for ids in (encode_chunk(tokenizer, c) for c in chunks) if ids],
+                    query_ids=encode(tokenizer, "".join(t for _, t in items[last + 1:])))

@@ -19,13 +19,13 @@ import torch
 from kvblend.blend.blender import KVCache, PrefillPlan, run_prefill
 from kvblend.blend.buffers import BufferPool, typed_view
 from kvblend.blend.rope import apply_rope, halves_repeat
-from kvblend.blend.segmenter import (CHUNK_SEPARATOR, Segments, build_segments, build_segments_from_parts,
-                                     encode, render_template_halves, split_plain_text)
+from kvblend.blend.segmenter import (Segments, build_segments, build_segments_from_messages, encode,
+                                     render_template_halves)
 from kvblend.blend.selection import num_to_keep, select_top_tokens
 from kvblend.config import EngineConfig, validate_lookahead_layers, validate_mode, validate_ratio, validate_selection
 from kvblend.engine.request import (GenerationRequest, GenerationResult, PrefillStats,
                                     TokenEvent)
-from kvblend.engine.sampler import create_generator, sample
+from kvblend.engine.sampler import create_generator, sample, token_logprobs
 from kvblend.models.loader import EMBEDDED_MODEL_ID, LoadedModel, load_model
 from kvblend.kernels import KERNELS_BY_NAME, KernelUnavailable, dtype_name, kernels_for, select_rows_attention
 from kvblend.models.transformer import TransformerOps
@@ -100,6 +100,9 @@ class Sequence:
         self.first_token_logits: torch.Tensor | None = None
         self.text = ""  # text emitted so far (stop strings never included)
         self.pending: list[TokenEvent] = []  # events produced by start() not yet handed out
+        # (to_store, fresh_k, fresh_v): chained segments whose KV the engine stores after the first
+        # token is out (Engine.run_deferred); fresh_k [L, Hkv, T, d] is a pooled buffer until then.
+        self.chained: tuple | None = None
         # The cache's pooled memory goes back when the sequence is dropped (finished, cancelled or failed):
         # nothing outside a Sequence holds its cache.
         weakref.finalize(self, cache.release)
@@ -134,6 +137,8 @@ class Engine:
         # Chunks a request found missing: computed alone after its first token (run_deferred), so a
         # cold request costs one normal prefill and the next request with these chunks hits.
         self._deferred: dict[str, list[int]] = {}
+        # (sequence, its K workspace buffer): chained KV to store once the first token is out.
+        self._pending_stores: list[tuple[Sequence, object]] = []
 
     # ---- prompts -------------------------------------------------------------------------------
     def segments(self, documents: list[str], question: str, instruction: str = "",
@@ -141,24 +146,8 @@ class Engine:
         return build_segments(self.tokenizer, documents, question, instruction, system)
 
     def segments_from_messages(self, messages: list[dict], documents: list[str] | None = None) -> Segments:
-        """OpenAI chat messages -> segments. Chunks come from, in order of precedence: ``documents``
-        (each + a blank line, before the last user message's text); a last user message given as an
-        array of text parts (every part but the last is a chunk); or its plain text, split at blank
-        lines (every piece but the last is a chunk)."""
-        if not messages or messages[-1].get("role") != "user":
-            raise ValueError("messages must end with a user message")
-        history = [{"role": m["role"], "content": _content_text(m.get("content"))} for m in messages[:-1]]
-        content = messages[-1].get("content")
-        if documents:
-            chunks = [d + CHUNK_SEPARATOR for d in documents if d]
-            query = _content_text(content)
-        elif isinstance(content, list):
-            parts = [_part_text(p) for p in content]
-            parts = [p for p in parts if p]
-            chunks, query = parts[:-1], (parts[-1] if parts else "")
-        else:
-            chunks, query = split_plain_text(content or "")
-        return build_segments_from_parts(self.tokenizer, chunks, query, history=history)
+        """OpenAI chat messages -> segments (``segmenter.build_segments_from_messages``)."""
+        return build_segments_from_messages(self.tokenizer, messages, documents)
 
     # ---- chunk precompute ----------------------------------------------------------------------
     def chunk_key(self, chunk_ids: list[int], namespace: str = "") -> str:
@@ -213,6 +202,7 @@ class Engine:
     @torch.inference_mode()
     def start(self, request: GenerationRequest) -> Sequence:
         """Prefill ``request`` and sample its first token (available via ``step`` / ``pending``)."""
+        self._store_chained()  # earlier chained KV: this request may start with the same segments
         t0 = time.perf_counter()
         mode = validate_mode(request.mode or self.config.blend.mode)
         ratio = validate_ratio(self.config.blend.recompute_ratio if request.recompute_ratio is None
@@ -236,10 +226,27 @@ class Engine:
             seq = self._prefill(request, choice, cache, k_work, t0)
         except BaseException:
             cache.release()
+            self.buffers.give(k_buffer)
             raise
-        finally:
+        if seq.chained is None:
             self.buffers.give(k_buffer)  # the pre-RoPE K workspace: nothing reads it past the prefill
+        else:  # stored by run_deferred (the scheduler's, once the token is out) or the next start()
+            self._pending_stores.append((seq, k_buffer))
         return seq
+
+    def _store_chained(self) -> None:
+        """Store the chained segments of finished prefills (copies of up to the whole prompt's K
+        and V, kept off the TTFT), then give their K workspaces back."""
+        while self._pending_stores:
+            seq, k_buffer = self._pending_stores.pop(0)
+            to_store, fresh_k, fresh_v = seq.chained
+            seq.chained = None
+            try:
+                for key, start, end in to_store:
+                    kv = ChunkKV(fresh_k[:, :, start:end].clone(), fresh_v[:, :, start:end].clone())
+                    self.store.put(key, kv)
+            finally:
+                self.buffers.give(k_buffer)
 
     def _prefill(self, request: GenerationRequest, choice: _Choice, cache: KVCache, k_work: torch.Tensor,
                  t0: float) -> Sequence:
@@ -278,13 +285,14 @@ class Engine:
         self._account(stats, stored, out.recomputed_rows, num_tokens)
         seq = Sequence(request, cache, stats)
         seq.first_token_logits = out.last_logits
-        event = self._append_token(seq, sample(out.last_logits, request.sampling, seq.generator))
+        first = sample(out.last_logits, request.sampling, seq.generator)
+        event = self._append_token(seq, first, out.last_logits)
         t1 = time.perf_counter()
         stats.ttft_ms = (t1 - t0) * 1e3
         stats.load_ms = (t_loaded - t0) * 1e3
         stats.compute_ms = (t1 - t_loaded) * 1e3
-        for key, start, end in to_store:  # chained segments: reusable by later requests with this start
-            self.store.put(key, ChunkKV(out.fresh_k[:, :, start:end].clone(), out.fresh_v[:, :, start:end].clone()))
+        if to_store:  # chained segments (for requests that start alike): stored after the token
+            seq.chained = (to_store, out.fresh_k, out.fresh_v)
         if event is not None:
             seq.pending.append(event)
         return seq
@@ -442,11 +450,13 @@ class Engine:
 
     @property
     def has_deferred(self) -> bool:
-        return bool(self._deferred)
+        return bool(self._deferred or self._pending_stores)
 
     @torch.inference_mode()
     def run_deferred(self, max_items: int | None = None) -> int:
-        """Compute and store chunks that earlier requests found missing. Returns how many were computed."""
+        """Store pending chained KV, then compute and store chunks that earlier requests found
+        missing. Returns how many chunks were computed."""
+        self._store_chained()
         done = 0
         while self._deferred and (max_items is None or done < max_items):
             key, chunk_ids = next(iter(self._deferred.items()))
@@ -500,7 +510,8 @@ class Engine:
         logits = self._decode_logits(batch)  # [B, vocab]
         for row, i in enumerate(live):
             s = seqs[i]
-            events[i] = self._append_token(s, sample(logits[row], s.request.sampling, s.generator))
+            token = sample(logits[row], s.request.sampling, s.generator)
+            events[i] = self._append_token(s, token, logits[row])
         return events
 
     def _decode_logits(self, batch: list[Sequence]) -> torch.Tensor:
@@ -524,8 +535,10 @@ class Engine:
             s.cache.length += 1
         return ops.logits(h)
 
-    def _append_token(self, seq: Sequence, token_id: int) -> TokenEvent | None:
-        """Record a sampled token; finish on EOS / stop token / stop string / max_tokens."""
+    def _append_token(self, seq: Sequence, token_id: int,
+                      logits: torch.Tensor) -> TokenEvent | None:
+        """Record a token sampled from ``logits`` [vocab]; finish on EOS / stop token / stop string
+        / max_tokens."""
         params = seq.request.sampling
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_ids):
             seq.finished, seq.finish_reason = True, "stop"
@@ -546,7 +559,10 @@ class Engine:
         visible = full[: len(full) - hold] if hold else full
         delta = visible[len(seq.text):] if visible.startswith(seq.text) else ""
         seq.text += delta
-        return TokenEvent(token_id, delta, len(seq.generated) - 1)
+        event = TokenEvent(token_id, delta, len(seq.generated) - 1)
+        if params.logprobs is not None:
+            event.logprob, event.top_logprobs = token_logprobs(logits, token_id, params.logprobs)
+        return event
 
     def generate(self, request: GenerationRequest) -> Iterator[TokenEvent | GenerationResult]:
         """Yield TokenEvents, then one GenerationResult."""
@@ -577,22 +593,6 @@ def _partial_suffix(text: str, stop: str) -> int:
         if text.endswith(stop[:n]):
             return n
     return 0
-
-
-def _part_text(part) -> str:
-    if isinstance(part, str):
-        return part
-    if isinstance(part, dict) and part.get("type", "text") == "text":
-        return part.get("text", "") or ""
-    raise ValueError("only text content parts are supported")
-
-
-def _content_text(content) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        return "".join(_part_text(p) for p in content)
-    return str(content)
 
 
 def _eos_ids(loaded: LoadedModel) -> set[int]:

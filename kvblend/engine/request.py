@@ -16,12 +16,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # added to the model's EOS ids
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and the top k
+
 
     def __post_init__(self):
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be within [0, 20], got {self.logprobs}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
 
@@ -42,7 +46,9 @@ class PrefillStats:
     """Where every prompt token's KV came from.
 
     prompt_tokens = reused_tokens + recomputed_tokens + fresh_tokens
-    cached_tokens = reused_tokens + recomputed_tokens (rows whose KV was loaded from the store)
+    cached_tokens = reused_tokens: rows whose stored KV was used as is. Rows loaded and then
+    recomputed by blend's selection are work done in this request, so they are not cached tokens
+    (the API's ``prompt_tokens_details.cached_tokens`` and Anthropic's ``cache_read_input_tokens``).
     """
 
     mode: str
@@ -62,7 +68,7 @@ class PrefillStats:
 
     @property
     def cached_tokens(self) -> int:
-        return self.reused_tokens + self.recomputed_tokens
+        return self.reused_tokens
 
     def as_dict(self) -> dict:
         return {
@@ -84,6 +90,10 @@ class TokenEvent:
     token_id: int
     text: str
     index: int
+    # With SamplingParams.logprobs: log-probability of token_id under the model's (untempered)
+    # distribution, and the top-k [(token_id, logprob)], most likely first.
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass

@@ -27,3 +27,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_probs[cut] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def token_logprobs(logits: torch.Tensor, token_id: int,
+                   top_k: int) -> tuple[float, list[tuple[int, float]]]:
+    """logits [vocab] -> (logprob of ``token_id``, the ``top_k`` most likely [(id, logprob)])."""
+    logp = torch.log_softmax(logits.float().cpu(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if top_k > 0:
+        values, ids = torch.topk(logp, top_k)
+        top = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return float(logp[token_id]), top

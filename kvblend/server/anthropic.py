@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvblend.server import errors
 from kvblend.server.backends import Delta, Final, GenerationJob
 from kvblend.server.limits import until_disconnect
+from kvblend.server.reuse_warning import warn
 from kvblend.server.schemas import Selection
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ class ContentBlock(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: str
     text: str | None = None
+    source: dict[str, Any] | None = None  # document blocks
+    title: str | None = None
 
 
 class InputMessage(BaseModel):
@@ -67,6 +70,7 @@ class MessagesRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=0)  # accepted, ignored
     metadata: dict | None = None
     tools: list | None = None
+    tool_choice: dict | None = None
     # kvblend extensions (anthropic SDK: extra_body)
     documents: list[str] | None = None
     mode: Literal["full", "prefix", "reuse", "blend"] | None = None
@@ -87,14 +91,16 @@ def anthropic_router(state) -> APIRouter:
             request.state.model = backend.id
             local_stops = not hasattr(backend, "forward")  # local engines: stop sequences matched here
             job = to_job(body, principal.namespace, send_stops=not local_stops)
-            t0 = time.perf_counter()
+            timer = state.metrics.timer(backend.id, time.perf_counter())
             gen = await until_disconnect(request, backend.open(job))  # a client gone: work stops
+            timer.first_token(job.queue_s)
+            headers = warn(state, backend.id, gen)
             stops = list(body.stop_sequences or []) if local_stops else []
-            run = _Run(state, backend, gen, stops, body.stop_sequences or [], t0)
+            run = _Run(timer, backend, gen, stops, body.stop_sequences or [])
             if body.stream:
-                return StreamingResponse(run.sse(), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return JSONResponse(await until_disconnect(request, run.message()))
+                headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                return StreamingResponse(run.sse(), media_type="text/event-stream", headers=headers)
+            return JSONResponse(await until_disconnect(request, run.message()), headers=headers)
         except errors.APIError as e:
             return errors.anthropic_error_response(e)
         except Exception:
@@ -134,11 +140,36 @@ def _parse(raw: bytes) -> MessagesRequest:
 def _blocks(blocks: list[ContentBlock], where: str) -> list[dict]:
     out = []
     for j, b in enumerate(blocks):
-        if b.type != "text" or b.text is None:
-            raise errors.invalid_request(f"{where}.{j}: only text content blocks are supported (got {b.type!r}).",
-                                         f"{where}.{j}")
-        out.append({"type": "text", "text": b.text})
+        if b.type == "document":
+            out += _document_parts(b, f"{where}.{j}")
+        elif b.type != "text" or b.text is None:
+            raise errors.invalid_request(
+                f"{where}.{j}: only text and text document blocks are supported (got {b.type!r}).",
+                f"{where}.{j}")
+        else:
+            out.append({"type": "text", "text": b.text})
     return out
+
+
+def _document_parts(b: ContentBlock, where: str) -> list[dict]:
+    """A ``document`` block -> text parts: its title (a part of its own, so the document's chunk
+    is the one ``documents`` or ``/v1/chunks`` store for the same text), then its text."""
+    src = b.source or {}
+    if src.get("type") == "text" and isinstance(src.get("data"), str):
+        texts = [src["data"]]
+    elif src.get("type") == "content" and isinstance(src.get("content"), (str, list)):
+        content = src["content"]
+        texts = [content] if isinstance(content, str) else [
+            c.get("text", "") for c in content if isinstance(c, dict) and c.get("type") == "text"]
+        if isinstance(content, list) and len(texts) != len(content):
+            raise errors.invalid_request(f"{where}.source: only text content is supported.",
+                                         f"{where}.source")
+    else:
+        raise errors.invalid_request(
+            f"{where}.source: only text documents (source type 'text' or 'content') are supported "
+            f"(got {src.get('type')!r}).", f"{where}.source")
+    title = [{"type": "text", "text": b.title}] if b.title else []
+    return title + [{"type": "text", "text": t} for t in texts if t]
 
 
 def to_openai_messages(body: MessagesRequest) -> list[dict]:
@@ -160,6 +191,8 @@ def to_openai_messages(body: MessagesRequest) -> list[dict]:
 def to_job(body: MessagesRequest, namespace: str, send_stops: bool) -> GenerationJob:
     if body.tools:
         raise errors.invalid_request("tools are not supported by this server.", "tools")
+    if body.tool_choice and body.tool_choice.get("type") != "none":
+        raise errors.invalid_request("tool_choice is not supported by this server.", "tool_choice")
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
     if top_p == 0.0:
@@ -206,8 +239,8 @@ def _partial_suffix(text: str, stop: str) -> int:
 class _Run:
     """One generation, consumed once, as an Anthropic message or its SSE events."""
 
-    def __init__(self, state, backend, gen, local_stops: list[str], stop_sequences: list[str], t0: float):
-        self.state, self.backend, self.gen, self.t0 = state, backend, gen, t0
+    def __init__(self, timer, backend, gen, local_stops: list[str], stop_sequences: list[str]):
+        self.timer, self.backend, self.gen = timer, backend, gen
         self.scanner = _StopScanner(local_stops)
         self.stop_sequences = stop_sequences
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
@@ -217,14 +250,11 @@ class _Run:
 
     async def pieces(self) -> AsyncIterator[str]:
         """Text to send, in order; sets ``final`` / ``stop_sequence`` when the generation ends."""
-        first = True
         events = self.gen.events()
         try:
             async for ev in events:
-                if first:
-                    self.state.metrics.ttft.labels(self.backend.id).observe(time.perf_counter() - self.t0)
-                    first = False
                 if isinstance(ev, Delta):
+                    self.timer.token()
                     self.deltas += 1
                     text, stop = self.scanner.feed(ev.text)
                     if text:
@@ -248,8 +278,13 @@ class _Run:
 
     def _observe(self) -> None:
         f = self.final
-        self.state.metrics.observe_generation(self.backend.id, f.kvblend if f else None,
-                                              f.completion_tokens if f else self.deltas)
+        if f is not None:
+            self.timer.finish(f.kvblend, f.prompt_tokens, f.completion_tokens)
+            return
+        stats = getattr(self.gen, "stats", None)  # cut at a stop sequence or by the client
+        self.timer.finish(stats.as_dict() if hasattr(stats, "as_dict") else None,
+                          int(getattr(stats, "prompt_tokens", 0) or 0),
+                          int(getattr(self.gen, "num_tokens", self.deltas)))
 
     def stop_reason(self) -> str:
         if self.stop_sequence is not None:

@@ -27,7 +27,12 @@ from kvblend.server.factory import create_backends, create_store
 from kvblend.server.limits import has_valid_key, install_gate
 from kvblend.server.openapi import install_openapi
 from kvblend.server.anthropic import anthropic_router
-from kvblend.server.metrics import Metrics
+from kvblend.server import unsupported
+from kvblend.server.logprobs import chat_logprobs, chat_setting, completion_logprobs
+from kvblend.server.metrics import Metrics, probe_remote_tiers
+from kvblend.server.model_info import max_model_len, model_info
+from kvblend.server.reuse_warning import warn
+from kvblend.server.tokenize import tokenize_router
 from kvblend.server.schemas import (
     ChatCompletionRequest, ChunkInfo, ChunksRequest, ChunksResponse, CompletionRequest, Document, ErrorResponse,
     Health, ModelCard, ModelList,
@@ -39,7 +44,8 @@ T = TypeVar("T")
 
 ERROR_RESPONSES: dict = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 500, 503)}
 _KNOWN_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/chunks", "/v1/messages", "/health",
-                    "/metrics"}
+                    "/metrics", "/tokenize", "/detokenize"}
+_NOT_COUNTED = {"/health", "/metrics"}
 
 
 class ServerState:
@@ -52,14 +58,21 @@ class ServerState:
         self.by_id: dict[str, Backend] = {}
         self.ready = False
         self.auth = Authenticator(config.api_keys)
-        self.metrics = Metrics(self.queue_depths, self.store_stats)
+        self.metrics = Metrics(self.queue_depths, self.store_stats, self.model_info)
+
+    def model_info(self) -> list[dict[str, str]]:
+        """Labels of ``kvblend_model_info``: one entry per served model."""
+        return [model_info(b) for b in self.by_id.values()]
 
     def queue_depths(self) -> dict[str, tuple[int, int]]:
         """{model: (waiting, active)} for the scrape-time gauges."""
         return {b.id: (b.queue_depth(), b.active()) for b in self.by_id.values()}
 
     def store_stats(self) -> dict:
-        return self.store.stats() if self.store is not None and hasattr(self.store, "stats") else {}
+        if self.store is None or not hasattr(self.store, "stats"):
+            return {}
+        probe_remote_tiers(self.store)  # Redis reachability, measured at scrape time
+        return self.store.stats()
 
     def resolve(self, model: str | None) -> Backend:
         if not self.ready:
@@ -128,7 +141,8 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        body = await asyncio.to_thread(state.metrics.render)  # a Redis probe may wait on a socket
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models(_: Principal = auth) -> Any:
@@ -143,10 +157,12 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
         if (upstream := upstream_for(state, body.model)) is not None:  # relayed as is (kvblend/server/upstream.py)
             return await upstream.forward(request, "/chat/completions", state.metrics)
         _check_common(body)
+        unsupported.check_chat(body)
         backend = state.resolve(body.model)
         request.state.model = backend.id  # resolved ids only: metric labels stay bounded
         job = _chat_job(body, principal)
         job.max_tokens = body.max_completion_tokens or body.max_tokens
+        job.logprobs = chat_setting(body.logprobs, body.top_logprobs)
         return await _respond(request, state, backend, job, body.stream, _include_usage(body), _ChatFormat(backend.id))
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
@@ -167,6 +183,7 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
         request.state.model = backend.id
         job = _sampling_job(body, principal)
         job.prompt = prompt
+        job.logprobs = body.logprobs
         echo = prompt if body.echo and isinstance(prompt, str) else ""
         return await _respond(request, state, backend, job, body.stream, _include_usage(body),
                               _CompletionFormat(backend.id, echo))
@@ -184,6 +201,7 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
         total = sum(c.num_tokens for c in data)
         return ChunksResponse(model=backend.id, data=data, usage={"prompt_tokens": total, "total_tokens": total})
 
+    app.include_router(tokenize_router(state))  # POST /tokenize, /detokenize (vLLM's)
     return app
 
 
@@ -234,7 +252,8 @@ def _chat_job(body: ChatCompletionRequest, principal: Principal) -> GenerationJo
 
 
 def _card(b: Backend) -> ModelCard:
-    return ModelCard(id=b.id, created=b.created, owned_by=b.owned_by)
+    return ModelCard(id=b.id, created=b.created, owned_by=b.owned_by,
+                     max_model_len=max_model_len(b))
 
 
 # --- responding ----------------------------------------------------------------------------------
@@ -264,41 +283,49 @@ async def _wait_disconnect(request: Request) -> None:
 
 async def _respond(request: Request, state: ServerState, backend: Backend, job: GenerationJob, stream: bool | None,
                    include_usage: bool, fmt: "_ChatFormat | _CompletionFormat") -> Response:
-    t0 = time.perf_counter()
+    timer = state.metrics.timer(backend.id, time.perf_counter())
     gen = await _until_disconnect(request, backend.open(job))
+    timer.first_token(job.queue_s)  # open() returns once the first token exists
+    headers = warn(state, backend.id, gen)
     if stream:
-        return StreamingResponse(_sse(state, backend, gen, fmt, include_usage, t0), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(_sse(timer, gen, fmt, include_usage),
+                                 media_type="text/event-stream", headers=headers)
 
     async def collect() -> Final:
-        first = True
-        async for ev in gen.events():
-            if first:
-                state.metrics.ttft.labels(backend.id).observe(time.perf_counter() - t0)
-                first = False
-            if isinstance(ev, Final):
-                return ev
+        try:
+            async for ev in gen.events():
+                if isinstance(ev, Final):
+                    timer.finish(ev.kvblend, ev.prompt_tokens, ev.completion_tokens)
+                    return ev
+                timer.token()
+        finally:
+            _finish_cut(timer, gen)
         raise errors.internal_error()
 
     final = await _until_disconnect(request, collect())
-    state.metrics.observe_generation(backend.id, final.kvblend, final.completion_tokens)
-    return JSONResponse(fmt.full(final))
+    return JSONResponse(fmt.full(final), headers=headers)
 
 
-async def _sse(state: ServerState, backend: Backend, gen, fmt, include_usage: bool, t0: float) -> AsyncIterator[str]:
-    first = True
+def _finish_cut(timer, gen) -> None:
+    """A generation that ended without its Final (client gone, error): count what was generated."""
+    if not timer.done:
+        stats = getattr(gen, "stats", None)
+        prompt_tokens = int(getattr(stats, "prompt_tokens", 0) or 0)
+        timer.finish(None, prompt_tokens, int(getattr(gen, "num_tokens", 0)))
+
+
+async def _sse(timer, gen, fmt, include_usage: bool) -> AsyncIterator[str]:
     try:
         opening = fmt.opening()
         if opening is not None:  # chat opens with the assistant role; completions only when echoing
             yield _data(fmt.chunk(opening, None, include_usage))
         async for ev in gen.events():
-            if first:
-                state.metrics.ttft.labels(backend.id).observe(time.perf_counter() - t0)
-                first = False
             if isinstance(ev, Delta):
-                yield _data(fmt.chunk(fmt.delta(ev.text), None, include_usage))
+                timer.token()
+                yield _data(fmt.chunk(fmt.delta(ev.text), None, include_usage, ev.logprobs))
             else:
-                state.metrics.observe_generation(backend.id, ev.kvblend, ev.completion_tokens)
+                timer.finish(ev.kvblend, ev.prompt_tokens, ev.completion_tokens)
                 yield _data(fmt.chunk(fmt.closing(), ev.finish_reason, include_usage))
                 if include_usage:
                     yield _data({**fmt.base(), "choices": [], "usage": _usage(ev)})
@@ -309,6 +336,7 @@ async def _sse(state: ServerState, backend: Backend, gen, fmt, include_usage: bo
         log.exception("stream failed")
         yield _data(errors.internal_error().body())
     finally:
+        _finish_cut(timer, gen)
         gen.cancel()  # client gone (GeneratorExit / CancelledError) or done: free the sequence
 
 
@@ -341,8 +369,11 @@ class _ChatFormat:
     def closing(self) -> dict:
         return {}
 
-    def chunk(self, delta: dict, finish_reason: str | None, include_usage: bool) -> dict:
-        out = {**self.base(), "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    def chunk(self, delta: dict, finish_reason: str | None, include_usage: bool,
+              logprobs=None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs),
+                  "finish_reason": finish_reason}
+        out = {**self.base(), "choices": [choice]}
         if include_usage:
             out["usage"] = None
         return out
@@ -351,7 +382,8 @@ class _ChatFormat:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "system_fingerprint": None,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": f.text, "refusal": None},
-                             "logprobs": None, "finish_reason": f.finish_reason}],
+                             "logprobs": chat_logprobs(f.logprobs),
+                             "finish_reason": f.finish_reason}],
                 "usage": _usage(f)}
 
 
@@ -361,6 +393,8 @@ class _CompletionFormat:
         self.created = int(time.time())
         self.model = model
         self.echo = echo
+        self.offset = len(echo)  # text_offset of the next delta's first token (logprobs)
+        self.delta_offset = self.offset
 
     def base(self) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
@@ -370,19 +404,25 @@ class _CompletionFormat:
         return self.echo or None
 
     def delta(self, text: str) -> str:
+        self.delta_offset, self.offset = self.offset, self.offset + len(text)
         return text
 
     def closing(self) -> str:
         return ""
 
-    def chunk(self, text: str, finish_reason: str | None, include_usage: bool) -> dict:
-        out = {**self.base(), "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    def chunk(self, text: str, finish_reason: str | None, include_usage: bool,
+              logprobs=None) -> dict:
+        lp = completion_logprobs(logprobs, self.delta_offset)
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+        out = {**self.base(), "choices": [choice]}
         if include_usage:
             out["usage"] = None
         return out
 
     def full(self, f: Final) -> dict:
-        return {**self.base(), "choices": [{"index": 0, "text": self.echo + f.text, "logprobs": None,
+        return {**self.base(), "choices": [{"index": 0, "text": self.echo + f.text,
+                                            "logprobs": completion_logprobs(f.logprobs,
+                                                                            len(self.echo)),
                                             "finish_reason": f.finish_reason}], "usage": _usage(f)}
 
 
@@ -405,6 +445,8 @@ class _RequestMetricsMiddleware:
                 status["code"] = message["status"]
             await send(message)
 
+        if scope.get("path") in _NOT_COUNTED:  # health probes and scrapes are not traffic
+            return await self.app(scope, receive, send)
         try:
             await self.app(scope, receive, send_wrapper)
         finally:

@@ -18,6 +18,7 @@ from typing import Any, Protocol, Union
 
 from kvblend.blend.segmenter import build_completion_segments
 from kvblend.config import ModelEntry, ServerConfig, parse_selection
+from kvblend.server.logprobs import token_entry
 from kvblend.engine.request import GenerationRequest, GenerationResult, PrefillStats, SamplingParams, TokenEvent
 from kvblend.engine.scheduler import Failed, QueueFullError, Scheduler, SchedulerClosedError, Started
 from kvblend.server import errors
@@ -42,11 +43,14 @@ class GenerationJob:
     recompute_ratio: float | None = None
     selection: str | None = None
     namespace: str = ""
+    logprobs: int | None = None  # None: off; k: each token's logprob and the top k alternatives
+    queue_s: float | None = None  # set by LocalBackend.open: waited for the worker before prefill
 
 
 @dataclass
 class Delta:
     text: str
+    logprobs: list[dict] | None = None  # chat-format entries of the tokens behind ``text``
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Final:
     cached_tokens: int
     text: str  # the whole completion (non-streaming responses use it)
     kvblend: dict[str, Any] | None = None  # PrefillStats.as_dict()
+    logprobs: list[dict] | None = None  # every token's entry (non-streaming responses use it)
 
 
 BackendEvent = Union[Delta, Final]
@@ -109,7 +114,7 @@ def build_request(engine, job: GenerationJob, default_max_tokens: int,
         raise PromptTooLong(n, limit, job.max_tokens)
     max_tokens = job.max_tokens or max(1, min(default_max_tokens, limit - n))
     sampling = SamplingParams(max_tokens=max_tokens, temperature=job.temperature, top_p=job.top_p,
-                              stop=list(job.stop), seed=job.seed)
+                              stop=list(job.stop), seed=job.seed, logprobs=job.logprobs)
     selection, depth = parse_selection(job.selection) if job.selection else (None, None)  # "lookahead:8"
     return GenerationRequest(segs, sampling, mode=job.mode, recompute_ratio=job.recompute_ratio,
                              selection=selection, lookahead_layers=depth, namespace=job.namespace)
@@ -139,30 +144,45 @@ def map_engine_error(e: BaseException) -> errors.APIError:
 class LocalStream:
     """Consumes one request's events from the worker through an asyncio queue on the server's loop."""
 
-    def __init__(self, handle, queue: asyncio.Queue, stats: PrefillStats):
+    def __init__(self, handle, queue: asyncio.Queue, stats: PrefillStats, decode=None):
         self._handle = handle
         self._queue = queue
         self.stats = stats
+        self._decode = decode  # token id -> text, for logprobs entries
+        self.num_tokens = 0  # tokens received so far: usage of a stream the client cut short
+        self.warning: str | None = None  # set by the server (reuse_warning): into Final.kvblend
 
     def cancel(self) -> None:
         self._handle.cancel()
 
     async def events(self) -> AsyncIterator[BackendEvent]:
         streamed: list[str] = []
+        entries: list[dict] | None = None  # logprobs of every token; ``pending`` not yet sent
+        pending: list[dict] = []
         try:
             while True:
                 ev = await self._queue.get()
                 if isinstance(ev, TokenEvent):
+                    self.num_tokens += 1
+                    if ev.logprob is not None and self._decode is not None:
+                        entry = token_entry(self._decode, ev.token_id, ev.logprob, ev.top_logprobs)
+                        entries = (entries or []) + [entry]
+                        pending.append(entry)
                     if ev.text:
                         streamed.append(ev.text)
-                        yield Delta(ev.text)
+                        yield Delta(ev.text, pending if entries is not None else None)
+                        pending = []
                 elif isinstance(ev, GenerationResult):
                     # If the engine settled text differently than it streamed (e.g. held-back stop text),
                     # send what the client has not seen yet so stream and non-stream agree.
                     sent = "".join(streamed)
                     if ev.text.startswith(sent) and len(ev.text) > len(sent):
-                        yield Delta(ev.text[len(sent):])
-                    yield _final(ev)
+                        yield Delta(ev.text[len(sent):], pending if entries is not None else None)
+                    final = _final(ev)
+                    final.logprobs = entries
+                    if self.warning and final.kvblend is not None:
+                        final.kvblend["warning"] = self.warning
+                    yield final
                     return
                 elif isinstance(ev, Failed):
                     raise map_engine_error(ev.error)
@@ -244,7 +264,11 @@ class LocalBackend:
         if isinstance(first, Failed):
             raise map_engine_error(first.error)
         assert isinstance(first, Started), first
-        return LocalStream(handle, queue, first.stats)
+        # submitted -> Started, less the engine's own prefill time: the wait for the worker
+        waited = time.perf_counter() - handle.submitted_at - first.stats.ttft_ms / 1000
+        job.queue_s = max(0.0, waited)
+        decode = self.engine.tokenizer.decode if job.logprobs is not None else None
+        return LocalStream(handle, queue, first.stats, decode)
 
     async def precompute(self, documents: list[str], namespace: str) -> list[dict]:
         """Tokenized on a helper thread; computed on the worker a slice at a time, so other

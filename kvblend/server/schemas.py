@@ -83,10 +83,19 @@ class _Sampling(_Request):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Not supported yet: using one is a 400 naming the field (kvblend/server/unsupported.py)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] = Field(min_length=0)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool | None = False
     best_of: int | None = Field(default=None, ge=1, le=1)
 
@@ -157,6 +166,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "kvblend"
+    max_model_len: int | None = None  # context window in tokens (vLLM's field); None: upstream
 
 
 class ModelList(BaseModel):
