@@ -35,6 +35,9 @@ class GenerationRequest:
     selection: str | None = None  # blend's token selection; None: the engine's default (BlendConfig.selection)
     lookahead_layers: int | None = None  # depth of lookahead's reuse pass; None: BlendConfig.lookahead_layers
     namespace: str = ""  # tenant: part of every store key, so tenants never share KV
+    # Target first-token agreement with full prefill: the engine picks mode, ratio and selection
+    # (kvblend/engine/fidelity.py). None: BlendConfig.fidelity; exclusive with recompute_ratio/selection.
+    fidelity: float | None = None
 
 
 @dataclass
@@ -57,6 +60,9 @@ class PrefillStats:
     ttft_ms: float = 0.0
     load_ms: float = 0.0  # fetching + assembling stored KV
     compute_ms: float = 0.0
+    # Set when a fidelity target chose the setting: the target, the agreement the choice expects
+    # (calibration + shadow prefills) and where the choice came from ("calibration", "fallback: ...").
+    fidelity: dict | None = None
 
     @property
     def cached_tokens(self) -> int:
@@ -71,6 +77,7 @@ class PrefillStats:
             "chunks_hit": self.chunks_hit, "chunks_total": self.chunks_total,
             "ttft_ms": round(self.ttft_ms, 3), "load_ms": round(self.load_ms, 3),
             "compute_ms": round(self.compute_ms, 3),
+            **({"fidelity": self.fidelity} if self.fidelity is not None else {}),
         }
 
 
