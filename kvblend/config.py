@@ -21,6 +21,8 @@ PREFILL_MODES = ("full", "prefix", "reuse", "blend")
 DEVIATION_KINDS = ("v", "k", "kv", "attn")
 # How a check layer picks the chunk tokens to keep recomputing (kvblend/blend/selection.py).
 SELECTION_KINDS = ("deviation", "query", "lookahead")
+# "auto": the model family's measured best (selection, ratio), kvblend/engine/fidelity.py FAMILY_DEFAULTS.
+SELECTION_PRESETS = ("auto",)
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 # CPU features that make bf16 prefill pay: AMX tiles (the amx attention kernel) or AVX-512 BF16 (Zen 4: the
 # avx512bf16 kernel; one 6,254-token prompt, interleaved, took 8.0 s for full prefill in bf16 against 17.8 s
@@ -174,8 +176,9 @@ def validate_fidelity(target: float | None) -> float | None:
 
 
 def validate_selection(selection: str) -> str:
-    if selection not in SELECTION_KINDS:
-        raise ValueError(f"unknown token selection {selection!r}; expected one of {', '.join(SELECTION_KINDS)}")
+    if selection not in SELECTION_KINDS + SELECTION_PRESETS:
+        raise ValueError(f"unknown token selection {selection!r}; expected one of "
+                         f"{', '.join(SELECTION_KINDS + SELECTION_PRESETS)}")
     return selection
 
 

@@ -137,18 +137,20 @@ def extra_logits(p: oracle.Prompt, variant: str, num_keep: int, reuse_attn: torc
     raise ValueError(variant)
 
 
-def run_variants(p, ratios, variants, extras, gen, reuse_attn, full_attn) -> dict:
+def run_variants(p, ratios, variants, extras, gen, reuse_attn, full_attn, screen_only=(),
+                 screen_ratio=0.15) -> dict:
+    """Each variant at each ratio, except ``screen_only`` ones (and the extras): at ``screen_ratio`` only."""
     out = {}
     for r in ratios:
         num_keep = num_to_keep(r, p.chunk_rows.numel())
         out[f"recall@{r:g}"] = round(recall(full_attn, reuse_attn, num_keep), 4)
         for v in variants:
-            if v.startswith("starts") and r != 0.15:
+            if v in screen_only and r != screen_ratio:
                 continue
             t0 = time.perf_counter()
             logits = oracle.variant_logits(p, v, num_keep, gen)
             out[f"{v}@{r:g}"] = score(p, logits, time.perf_counter() - t0)
-        for v in extras if r == 0.15 else ():
+        for v in extras if r == screen_ratio else ():
             t0 = time.perf_counter()
             out[f"{v}@{r:g}"] = score(p, extra_logits(p, v, num_keep, reuse_attn), time.perf_counter() - t0)
     reuse = p.run(p.stored_k.clone(), p.stored_v.clone(), p.stored_mask, p.query_rows).last_logits
@@ -211,6 +213,9 @@ def main() -> int:
     ap.add_argument("--ratios", default="0.1,0.15,0.3")
     ap.add_argument("--variants", default=",".join(BASE_VARIANTS) + ",starts4+lookahead")
     ap.add_argument("--extras", default="lookahead+temp0.9,lookahead+temp1.1,wide")
+    ap.add_argument("--screen-only", default="deviation,oracle-dev,starts4+lookahead",
+                    help="variants run at --screen-ratio only (the rest at every ratio)")
+    ap.add_argument("--screen-ratio", type=float, default=0.15)
     ap.add_argument("--context-variant", action="store_true", help="also chunks behind the whole prefix")
     ap.add_argument("--starts", type=int, default=4, help="chunk-initial rows per chunk")
     ap.add_argument("--out", required=True)
@@ -235,7 +240,8 @@ def main() -> int:
             reads_reuse, reuse_attn = query_reads(p, False, starts)
             row = {"tokens": p.num_tokens, "layer_error": layer_error(p, starts),
                    "query_reads_full": reads_full, "query_reads_reuse": reads_reuse,
-                   "variants": run_variants(p, ratios, variants, extras, gen, reuse_attn, full_attn)}
+                   "variants": run_variants(p, ratios, variants, extras, gen, reuse_attn, full_attn,
+                                            set(args.screen_only.split(",")), args.screen_ratio)}
             if args.context_variant:
                 row["variants"].update(context_variant(engine, segs, p, 0.15))
             per_example.append(row)

@@ -13,7 +13,7 @@ import pytest
 
 from engine_fixtures import INSTRUCTION, embedded_engine, musique_docs
 from kvblend.bench import calibrate
-from kvblend.engine.fidelity import Calibration, CalibrationPoint, FidelityController
+from kvblend.engine.fidelity import FAMILY_DEFAULTS, Calibration, CalibrationPoint, FidelityController
 from kvblend.engine.request import GenerationRequest, SamplingParams
 
 
@@ -136,3 +136,16 @@ def test_server_reports_fidelity_in_usage_and_metrics(kvblend_server_factory, tm
     metrics = httpx.get(server.base_url + "/metrics").text
     assert 'kvblend_fidelity_agreement{model="smol",source="calibration"} 0.9' in metrics
     assert json.loads(Path(path).read_text())["fingerprint"] == engine.fingerprint
+
+
+def test_auto_selection_takes_the_family_default(engine_with_calibration):
+    engine = engine_with_calibration
+    docs, question = musique_docs(0, 2)
+    segs = engine.segments(docs, question, instruction=INSTRUCTION)
+    engine.precompute(segs.chunk_ids)
+    one = SamplingParams(max_tokens=1)
+    assert engine.loaded.model_type == "llama"
+    auto = engine.run(GenerationRequest(segs, one, mode="blend", selection="auto")).stats
+    assert (auto.selection, auto.recompute_ratio) == FAMILY_DEFAULTS["llama"]
+    own_ratio = engine.run(GenerationRequest(segs, one, mode="blend", selection="auto", recompute_ratio=0.3)).stats
+    assert (own_ratio.selection, own_ratio.recompute_ratio) == ("lookahead", 0.3)

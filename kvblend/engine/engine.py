@@ -25,7 +25,8 @@ from kvblend.blend.segmenter import (CHUNK_SEPARATOR, Segments, build_segments, 
 from kvblend.blend.selection import num_to_keep, select_top_tokens
 from kvblend.config import (EngineConfig, parse_selection, validate_fidelity, validate_lookahead_layers,
                             validate_mode, validate_ratio, validate_selection)
-from kvblend.engine.fidelity import Calibration, FidelityController, Setting, calibration_path
+from kvblend.engine.fidelity import (AUTO_FALLBACK, FAMILY_DEFAULTS, Calibration, FidelityController, Setting,
+                                     calibration_path)
 from kvblend.engine.request import (GenerationRequest, GenerationResult, PrefillStats, SamplingParams,
                                     TokenEvent)
 from kvblend.engine.sampler import create_generator, sample
@@ -260,12 +261,15 @@ class Engine:
             setting = self.fidelity.choose(target)
             mode = setting.mode
             ratio = setting.ratio
-            selection, depth = parse_selection(setting.selection or blend.selection)
+            selection, depth = parse_selection(setting.selection or "deviation")  # full: unused
         else:
             ratio = validate_ratio(blend.recompute_ratio if request.recompute_ratio is None
                                    else request.recompute_ratio)
             selection = validate_selection(request.selection or blend.selection)
             depth = request.lookahead_layers
+            if selection == "auto":  # the family's measured best; a request's own ratio still wins
+                selection, family_ratio = FAMILY_DEFAULTS.get(self.loaded.model_type, AUTO_FALLBACK)
+                ratio = family_ratio if request.recompute_ratio is None else ratio
         depth = validate_lookahead_layers(blend.lookahead_layers if depth is None else depth)
         # A depth of the whole model or more is every layer: one spelling (0), so one chained-key tag.
         return _Choice(mode, ratio, selection, 0 if depth >= self.ops.num_layers else depth), setting
