@@ -4,17 +4,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 QWEN_GGUF := $(HOME)/.cache/kvblend/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+QWEN15_GGUF := $(HOME)/.cache/kvblend/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 # PyTorch's OpenMP threads spin this many rounds after an op before they sleep. Sleeping at once
 # (OMP_WAIT_POLICY=PASSIVE) made a blend 5-9% and reuse ~11% slower on 2 vCPUs (every small op woke a halted
 # vCPU); spinning without end (the default) starved the native kernels' threads and other processes.
 export GOMP_SPINCOUNT ?= 10000
 
-.PHONY: demo lint test test-fast bench bench-peers qwen serve clean help
+.PHONY: demo lint test test-fast bench bench-peers qwen qwen-1.5b serve clean help
 
 help:
 	@echo "make demo   - set up .venv and run a short engine benchmark on the embedded model"
 	@echo "make test   - set up .venv, check the import layers, run the test suite (make test-fast: no e2e)"
-	@echo "make bench  - full engine benchmark (20 MuSiQue examples); make qwen fetches the Qwen2 model"
+	@echo "make bench  - full engine benchmark (20 MuSiQue examples); make qwen / qwen-1.5b fetch the Qwen2 models"
 	@echo "make bench-peers [MODEL=x.gguf|hf-dir] - TTFT of kvblend vs vLLM and llama.cpp on the same weights"
 	@echo "                   (installs them under .peers/; docs/PEERS.md)"
 
@@ -50,7 +51,11 @@ bench-peers: $(STAMP)
 	MODEL="$(MODEL)" scripts/peers/run.sh $(ARGS)
 
 qwen: $(STAMP)
-	$(BIN)/python scripts/fetch_qwen.py --out $(QWEN_GGUF)
+	$(BIN)/python scripts/fetch_qwen.py --size 0.5b --out $(QWEN_GGUF)
+
+# Qwen2.5-Coder-1.5B-Instruct (head_dim 128, GQA 6:1: the shape of 7B-class models), 1.12 GB
+qwen-1.5b: $(STAMP)
+	$(BIN)/python scripts/fetch_qwen.py --size 1.5b --out $(QWEN15_GGUF)
 
 serve: $(STAMP)
 	$(BIN)/kvblend serve

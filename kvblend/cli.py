@@ -18,6 +18,8 @@ from kvblend.platform import apply_malloc_defaults, apply_openmp_defaults
 COMMANDS: list[tuple[str, str, str]] = [
     ("generate", "kvblend.engine.cli", "prefill a prompt in a chosen mode and decode (one-shot)"),
     ("bench", "kvblend.bench.cli", "benchmarks: engine, store, ttft, load"),
+    ("calibrate", "kvblend.bench.calibrate",
+     "measure blend settings against full prefill; writes the model's calibration for fidelity targets"),
     ("eval", "kvblend.bench.eval_cli", "quality + latency evaluation through an OpenAI-style endpoint"),
     ("serve", "kvblend.server.cli", "OpenAI-compatible HTTP server"),
     ("ingest", "kvblend.server.ingest_cli", "precompute documents from a JSONL file into the chunk store"),

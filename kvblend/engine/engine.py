@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,8 +23,11 @@ from kvblend.blend.rope import apply_rope, halves_repeat
 from kvblend.blend.segmenter import (Segments, build_segments, build_segments_from_messages, encode,
                                      render_template_halves)
 from kvblend.blend.selection import num_to_keep, select_top_tokens
-from kvblend.config import EngineConfig, validate_lookahead_layers, validate_mode, validate_ratio, validate_selection
-from kvblend.engine.request import (GenerationRequest, GenerationResult, PrefillStats,
+from kvblend.config import (EngineConfig, parse_selection, validate_fidelity, validate_lookahead_layers,
+                            validate_mode, validate_ratio, validate_selection)
+from kvblend.engine.fidelity import (AUTO_FALLBACK, FAMILY_DEFAULTS, Calibration, FidelityController, Setting,
+                                     calibration_path)
+from kvblend.engine.request import (GenerationRequest, GenerationResult, PrefillStats, SamplingParams,
                                     TokenEvent)
 from kvblend.engine.sampler import create_generator, sample, token_logprobs
 from kvblend.models.loader import EMBEDDED_MODEL_ID, LoadedModel, load_model
@@ -36,6 +40,8 @@ from kvblend.store.key import make_chunk_key, make_prefix_key
 from kvblend.store.memory import MemoryStore
 
 log = logging.getLogger(__name__)
+
+SHADOW_QUEUE = 4  # sampled requests waiting for a shadow full prefill; more are not sampled
 
 
 class ContextLengthError(ValueError):
@@ -139,6 +145,22 @@ class Engine:
         self._deferred: dict[str, list[int]] = {}
         # (sequence, its K workspace buffer): chained KV to store once the first token is out.
         self._pending_stores: list[tuple[Sequence, object]] = []
+        self.calibration_path = config.calibration_path or calibration_path(config.model.cache_dir,
+                                                                            loaded.model_dir, config.model.dtype)
+        self.fidelity = FidelityController(self._load_calibration())
+        self._shadow: deque = deque()  # (segments, namespace, choice, blend's first-token argmax)
+        self._shadow_count = 0
+
+    def _load_calibration(self) -> Calibration | None:
+        """This model's calibration, if one was measured for these weights and dtype."""
+        cal = Calibration.load(self.calibration_path)
+        if cal is not None and (cal.fingerprint != self.fingerprint or cal.dtype != self.config.model.dtype):
+            log.warning("ignoring %s: measured on other weights or another dtype", self.calibration_path)
+            return None
+        return cal
+
+    def reload_calibration(self) -> None:
+        self.fidelity = FidelityController(self._load_calibration())
 
     # ---- prompts -------------------------------------------------------------------------------
     def segments(self, documents: list[str], question: str, instruction: str = "",
@@ -204,14 +226,7 @@ class Engine:
         """Prefill ``request`` and sample its first token (available via ``step`` / ``pending``)."""
         self._store_chained()  # earlier chained KV: this request may start with the same segments
         t0 = time.perf_counter()
-        mode = validate_mode(request.mode or self.config.blend.mode)
-        ratio = validate_ratio(self.config.blend.recompute_ratio if request.recompute_ratio is None
-                               else request.recompute_ratio)
-        selection = validate_selection(request.selection or self.config.blend.selection)
-        depth = validate_lookahead_layers(self.config.blend.lookahead_layers if request.lookahead_layers is None
-                                          else request.lookahead_layers)
-        # A depth of the whole model or more is every layer: one spelling (0), so one chained-key tag.
-        choice = _Choice(mode, ratio, selection, 0 if depth >= self.ops.num_layers else depth)
+        choice, setting = self._resolve_choice(request)
         segs = request.segments
         num_tokens = segs.num_tokens
         if num_tokens == 0:
@@ -224,6 +239,10 @@ class Engine:
         k_work = typed_view(k_buffer, _rows_shape(cache, num_tokens), self.ops.dtype)
         try:
             seq = self._prefill(request, choice, cache, k_work, t0)
+            if setting is not None:
+                seq.stats.fidelity = {"target": setting.target, "expected_agreement": setting.expected_agreement,
+                                      "source": setting.source}
+                self._maybe_shadow(request, choice, seq)
         except BaseException:
             cache.release()
             self.buffers.give(k_buffer)
@@ -247,6 +266,62 @@ class Engine:
                     self.store.put(key, kv)
             finally:
                 self.buffers.give(k_buffer)
+    def _resolve_choice(self, request: GenerationRequest) -> tuple[_Choice, Setting | None]:
+        """The request's mode / ratio / selection, defaults from BlendConfig; with a fidelity target (the
+        request's, else the config's unless the request names a ratio or selection) the controller's."""
+        blend = self.config.blend
+        mode = validate_mode(request.mode or blend.mode)
+        target = validate_fidelity(request.fidelity)
+        if target is not None and (request.recompute_ratio is not None or request.selection is not None):
+            raise ValueError("give either fidelity or recompute_ratio / selection, not both")
+        if target is None and request.recompute_ratio is None and request.selection is None:
+            target = blend.fidelity
+        setting = None
+        if target is not None and mode in ("blend", "reuse"):
+            setting = self.fidelity.choose(target)
+            mode = setting.mode
+            ratio = setting.ratio
+            selection, depth = parse_selection(setting.selection or "deviation")  # full: unused
+        else:
+            ratio = validate_ratio(blend.recompute_ratio if request.recompute_ratio is None
+                                   else request.recompute_ratio)
+            selection = validate_selection(request.selection or blend.selection)
+            depth = request.lookahead_layers
+            if selection == "auto":  # the family's measured best; a request's own ratio still wins
+                selection, family_ratio = FAMILY_DEFAULTS.get(self.loaded.model_type, AUTO_FALLBACK)
+                ratio = family_ratio if request.recompute_ratio is None else ratio
+        depth = validate_lookahead_layers(blend.lookahead_layers if depth is None else depth)
+        # A depth of the whole model or more is every layer: one spelling (0), so one chained-key tag.
+        return _Choice(mode, ratio, selection, 0 if depth >= self.ops.num_layers else depth), setting
+
+    # ---- fidelity: shadow full prefills --------------------------------------------------------
+    def _maybe_shadow(self, request: GenerationRequest, choice: _Choice, seq: Sequence) -> None:
+        """Queue one in ``fidelity_shadow_every`` fidelity-chosen blends for a shadow full prefill."""
+        every = self.config.blend.fidelity_shadow_every
+        if choice.mode != "blend" or every == 0 or seq.first_token_logits is None:
+            return
+        self._shadow_count += 1
+        if self._shadow_count % every == 0 and len(self._shadow) < SHADOW_QUEUE:
+            top = int(seq.first_token_logits.argmax())
+            self._shadow.append((request.segments, request.namespace, choice, top))
+
+    @property
+    def has_shadow(self) -> bool:
+        return bool(self._shadow)
+
+    @torch.inference_mode()
+    def run_shadow(self) -> bool:
+        """Run one queued shadow full prefill (when idle) and record whether its first token (argmax)
+        is the one the blend gave. Returns whether one ran."""
+        if not self._shadow:
+            return False
+        segs, namespace, choice, blend_top = self._shadow.popleft()
+        full = GenerationRequest(segs, SamplingParams(max_tokens=1), mode="full", namespace=namespace)
+        seq = self.start(full)
+        agreed = int(seq.first_token_logits.argmax()) == blend_top
+        self.fidelity.record(choice.selection_label, choice.ratio, agreed)
+        seq.cache.release()
+        return True
 
     def _prefill(self, request: GenerationRequest, choice: _Choice, cache: KVCache, k_work: torch.Tensor,
                  t0: float) -> Sequence:

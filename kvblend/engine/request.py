@@ -39,6 +39,9 @@ class GenerationRequest:
     selection: str | None = None  # blend's token selection; None: the engine's default (BlendConfig.selection)
     lookahead_layers: int | None = None  # depth of lookahead's reuse pass; None: BlendConfig.lookahead_layers
     namespace: str = ""  # tenant: part of every store key, so tenants never share KV
+    # Target first-token agreement with full prefill: the engine picks mode, ratio and selection
+    # (kvblend/engine/fidelity.py). None: BlendConfig.fidelity; exclusive with recompute_ratio/selection.
+    fidelity: float | None = None
 
 
 @dataclass
@@ -65,6 +68,9 @@ class PrefillStats:
     compute_ms: float = 0.0
     attention_kernel: str = ""  # the engine's attention: "amx", "avx512bf16", "avx2" or "torch"
     attention_kernel_reason: str | None = None  # why not this CPU's best native build; None when it is
+    # Set when a fidelity target chose the setting: the target, the agreement the choice expects
+    # (calibration + shadow prefills) and where the choice came from ("calibration", "fallback: ...").
+    fidelity: dict | None = None
 
     @property
     def cached_tokens(self) -> int:
@@ -80,6 +86,7 @@ class PrefillStats:
             "ttft_ms": round(self.ttft_ms, 3), "load_ms": round(self.load_ms, 3),
             "compute_ms": round(self.compute_ms, 3),
             "attention_kernel": self.attention_kernel, "attention_kernel_reason": self.attention_kernel_reason,
+            **({"fidelity": self.fidelity} if self.fidelity is not None else {}),
         }
 
 

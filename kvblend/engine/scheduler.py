@@ -154,9 +154,15 @@ class Scheduler:
                 with self._cond:
                     while not self._stopping and not self._pending and not self._active \
                             and not self._has_deferred():
+                        if self._has_shadow():
+                            break
                         self._cond.wait()
                     if self._stopping:
                         break
+                    idle = not self._pending and not self._active
+                if idle and not self._has_deferred():  # nothing to serve: check a sampled blend
+                    self._run_shadow()
+                    continue
                 self._admit()
                 self._step()
                 self._run_deferred()  # what prefills left: a slice a turn while others decode
@@ -173,6 +179,17 @@ class Scheduler:
 
     def _has_deferred(self) -> bool:
         return bool(getattr(self.engine, "has_deferred", False))
+
+    def _has_shadow(self) -> bool:
+        return bool(getattr(self.engine, "has_shadow", False))
+
+    def _run_shadow(self) -> None:
+        """One shadow full prefill (fidelity targets): only while idle, so it costs no request its TTFT
+        unless one arrives during it (it then waits at most one full prefill)."""
+        try:
+            self.engine.run_shadow()
+        except Exception:  # a failed check only costs a sample
+            log.exception("shadow full prefill failed")
 
     def _run_deferred(self) -> None:
         """Chunk KV a request found missing, computed right after its first token went out: off its TTFT,

@@ -76,6 +76,7 @@ class MessagesRequest(BaseModel):
     mode: Literal["full", "prefix", "reuse", "blend"] | None = None
     recompute_ratio: float | None = Field(default=None, ge=0, le=1)
     selection: Selection | None = None
+    fidelity: float | None = Field(default=None, gt=0, le=1)
 
 
 def anthropic_router(state) -> APIRouter:
@@ -201,6 +202,7 @@ def to_job(body: MessagesRequest, namespace: str, send_stops: bool) -> Generatio
                          max_tokens=body.max_tokens, temperature=temperature, top_p=top_p,
                          stop=[s for s in body.stop_sequences or [] if s] if send_stops else [],
                          mode=body.mode, recompute_ratio=body.recompute_ratio, selection=body.selection,
+                         fidelity=body.fidelity,
                          namespace=namespace)
 
 

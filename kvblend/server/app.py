@@ -59,6 +59,7 @@ class ServerState:
         self.ready = False
         self.auth = Authenticator(config.api_keys)
         self.metrics = Metrics(self.queue_depths, self.store_stats, self.model_info)
+        self.metrics.register_fidelity(self.fidelity_stats)
 
     def model_info(self) -> list[dict[str, str]]:
         """Labels of ``kvblend_model_info``: one entry per served model."""
@@ -67,6 +68,10 @@ class ServerState:
     def queue_depths(self) -> dict[str, tuple[int, int]]:
         """{model: (waiting, active)} for the scrape-time gauges."""
         return {b.id: (b.queue_depth(), b.active()) for b in self.by_id.values()}
+
+    def fidelity_stats(self) -> dict[str, dict]:
+        """{model: agreement stats} of the local models that report them (kvblend/engine/fidelity.py)."""
+        return {b.id: s for b in self.by_id.values() if (s := getattr(b, "fidelity_stats", lambda: None)())}
 
     def store_stats(self) -> dict:
         if self.store is None or not hasattr(self.store, "stats"):
@@ -231,7 +236,8 @@ def _sampling_job(body, principal: Principal) -> GenerationJob:
     return GenerationJob(
         documents=[_document(d).text for d in body.documents or []], max_tokens=body.max_tokens,
         temperature=temperature, top_p=top_p, stop=[s for s in stop if s], seed=body.seed, mode=body.mode,
-        recompute_ratio=body.recompute_ratio, selection=body.selection, namespace=principal.namespace,
+        recompute_ratio=body.recompute_ratio, selection=body.selection, fidelity=body.fidelity,
+        namespace=principal.namespace,
     )
 
 

@@ -42,6 +42,7 @@ class GenerationJob:
     mode: str | None = None
     recompute_ratio: float | None = None
     selection: str | None = None
+    fidelity: float | None = None  # target first-token agreement (kvblend/engine/fidelity.py)
     namespace: str = ""
     logprobs: int | None = None  # None: off; k: each token's logprob and the top k alternatives
     queue_s: float | None = None  # set by LocalBackend.open: waited for the worker before prefill
@@ -117,7 +118,8 @@ def build_request(engine, job: GenerationJob, default_max_tokens: int,
                               stop=list(job.stop), seed=job.seed, logprobs=job.logprobs)
     selection, depth = parse_selection(job.selection) if job.selection else (None, None)  # "lookahead:8"
     return GenerationRequest(segs, sampling, mode=job.mode, recompute_ratio=job.recompute_ratio,
-                             selection=selection, lookahead_layers=depth, namespace=job.namespace)
+                             selection=selection, lookahead_layers=depth, namespace=job.namespace,
+                             fidelity=job.fidelity)
 
 
 def map_engine_error(e: BaseException) -> errors.APIError:
@@ -220,6 +222,17 @@ class LocalBackend:
     def close(self) -> None:
         if self.scheduler is not None:
             self.scheduler.stop()
+
+    def fidelity_stats(self) -> dict | None:
+        """Agreement with full prefill: the calibrated estimate for the configured target's setting and
+        the shadow-measured live one (None for stand-in engines without a fidelity controller)."""
+        controller = getattr(self.engine, "fidelity", None)
+        if controller is None:
+            return None
+        live = controller.live_agreement()
+        target = self.engine.config.blend.fidelity
+        return {"calibrated": controller.calibrated_agreement(target) if target is not None else None,
+                "live": live[0] if live else None, "live_n": live[1] if live else 0}
 
     def queue_depth(self) -> int:
         return self.scheduler.queue_depth if self.scheduler else 0

@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu (default), cuda or cuda:N")
     p.add_argument("--mode", choices=["full", "prefix", "reuse", "blend"], help="default prefill mode")
     p.add_argument("--recompute-ratio", type=float, help="default blend recompute ratio in [0, 1]")
+    p.add_argument("--fidelity", type=float,
+                   help="target first-token agreement with full prefill in (0, 1]: ratio and selection come "
+                        "from `kvblend calibrate` (full prefill where none meets it)")
     p.add_argument("--api-key", action="append", default=None,
                    help="accepted bearer key (repeatable); with none configured anywhere, auth is off")
     p.add_argument("--max-queue", type=int, help="waiting requests per model before 429")
@@ -37,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _model_override(args: argparse.Namespace, base: list | None) -> list[dict] | None:
     """--model/--model-id/--dtype/... describe a single model, replacing the config's list."""
     fields = {"model": args.model, "id": args.model_id, "dtype": args.dtype, "device": args.device,
-              "num_threads": args.threads, "mode": args.mode, "recompute_ratio": args.recompute_ratio}
+              "num_threads": args.threads, "mode": args.mode, "recompute_ratio": args.recompute_ratio,
+              "fidelity": args.fidelity}
     fields = {k: v for k, v in fields.items() if v is not None}
     if not fields:
         return None

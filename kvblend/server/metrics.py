@@ -154,6 +154,38 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def register_fidelity(self, fidelity_stats: Callable[[], dict[str, dict]]) -> None:
+        """Fidelity targets (kvblend/engine/fidelity.py): the agreement with full prefill per model."""
+        self.registry.register(_FidelityCollector(fidelity_stats))
+
+
+class _FidelityCollector(Collector):
+    """First-token agreement with full prefill per model, read at scrape time: as calibrated for the
+    configured target's setting, and as measured by shadow full prefills of live requests."""
+
+    def __init__(self, fidelity_stats: Callable[[], dict[str, dict]]):
+        self.fidelity_stats = fidelity_stats
+
+    def collect(self) -> Iterable:
+        agreement = GaugeMetricFamily("kvblend_fidelity_agreement",
+                                      "First-token agreement with full prefill (source: calibration | shadow)",
+                                      labels=["model", "source"])
+        shadows = GaugeMetricFamily("kvblend_fidelity_shadow_prefills",
+                                    "Shadow full prefills that measured the live agreement", labels=["model"])
+        try:
+            stats = self.fidelity_stats()
+        except Exception:  # a scrape never fails on this
+            log.exception("fidelity stats failed")
+            stats = {}
+        for model, s in stats.items():
+            if s.get("calibrated") is not None:
+                agreement.add_metric([model, "calibration"], float(s["calibrated"]))
+            if s.get("live") is not None:
+                agreement.add_metric([model, "shadow"], float(s["live"]))
+            shadows.add_metric([model], float(s.get("live_n", 0)))
+        yield agreement
+        yield shadows
+
 
 class RequestTimer:
     """One generation's latency and token series: TTFT once, a gap per streamed piece, and on

@@ -2,7 +2,7 @@
 
 Unknown request fields are ignored (``extra="ignore"``), as OpenAI-compatible servers do for
 parameters they do not implement (presence_penalty, logit_bias, user, ...). Extensions, sent by the
-OpenAI SDK through ``extra_body``: ``documents``, ``mode``, ``recompute_ratio``, ``selection``
+OpenAI SDK through ``extra_body``: ``documents``, ``mode``, ``recompute_ratio``, ``selection``, ``fidelity``
 (deviation, query, lookahead, or lookahead:N: the reuse pass's first N layers).
 """
 
@@ -78,6 +78,7 @@ class _Sampling(_Request):
     mode: Mode | None = None
     recompute_ratio: float | None = Field(default=None, ge=0, le=1)
     selection: Selection | None = None
+    fidelity: float | None = Field(default=None, gt=0, le=1)  # target first-token agreement with full
 
 
 class ChatCompletionRequest(_Sampling):

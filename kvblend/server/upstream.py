@@ -315,6 +315,8 @@ class UpstreamBackend:
             body["mode"] = job.mode
         if job.recompute_ratio is not None:
             body["recompute_ratio"] = job.recompute_ratio
+        if job.fidelity is not None:
+            body["fidelity"] = job.fidelity
         if job.selection is not None:
             body["selection"] = job.selection
         self._inflight += 1
