@@ -145,11 +145,11 @@ def headline(results: list[tuple[Path, dict]]) -> str:
             continue
         seen.add(d["model"])
         rows.append([d["model"], f"{d.get('device_name', '?')}, {d.get('threads', '?')} threads, "
-                     f"{d['dtype']}", d["examples"], f"{full['ttft_median_ms']:.0f}",
+                     f"{d['dtype']}", f"{d['examples']} {_data_name(d)}", f"{full['ttft_median_ms']:.0f}",
                      f"{blend['ttft_median_ms']:.0f}", f"{blend.get('speedup_paired_median') or 0:.2f}x",
                      f"{blend['first_token_agreement']:.0%}", blend.get("first_token_kl_vs_full"),
                      blend["rouge_l_vs_full"], f"`{path.name}`"])
-    table = markdown_table(["model", "machine", "MuSiQue prompts", "full prefill TTFT (ms)",
+    table = markdown_table(["model", "machine", "prompts", "full prefill TTFT (ms)",
                             f"{DEFAULT_MODE} TTFT (ms)", "paired speed-up", "first-token agreement",
                             "first-token KL", "answer Rouge-L vs full", "data"], rows)
     return table + "\n\n" + _peer_line(results)
@@ -189,6 +189,11 @@ def run(args: argparse.Namespace) -> int:
         p.write_text(outputs[p], encoding="utf-8")
         print(f"wrote {p}", file=sys.stderr)
     return 0
+
+
+def _data_name(result: dict) -> str:
+    data = str(result.get("data") or "musique")
+    return {"musique": "MuSiQue", "hotpotqa": "HotpotQA"}.get(data, Path(data).stem)
 
 
 def _tokens(n) -> str:
