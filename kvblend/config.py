@@ -14,16 +14,16 @@ from pathlib import Path
 
 from kvblend import env
 from kvblend.platform import NATIVE_BF16_CPU_FLAGS, cpu_flags
+from kvblend.policy import (PREFILL_MODES, SELECTION_KINDS, SELECTION_PRESETS, parse_selection,
+                            validate_lookahead_layers, validate_mode, validate_ratio, validate_selection)
 
-PREFILL_MODES = ("full", "prefix", "reuse", "blend")
+__all__ = ["PREFILL_MODES", "SELECTION_KINDS", "SELECTION_PRESETS", "parse_selection",
+           "validate_lookahead_layers", "validate_mode", "validate_ratio", "validate_selection"]
+
 # What a check layer compares (kvblend/blend/selection.py): the fresh vs cached values, keys or both (the
 # paper's KV deviation), or "attn": a row's attention output over every key vs over its own chunk and the
 # prompt's prefix only (what it saw when cached), measurable from layer 0 on.
 DEVIATION_KINDS = ("v", "k", "kv", "attn")
-# How a check layer picks the chunk tokens to keep recomputing (kvblend/blend/selection.py).
-SELECTION_KINDS = ("deviation", "query", "lookahead")
-# "auto": the model family's measured best (selection, ratio), kvblend/engine/fidelity.py FAMILY_DEFAULTS.
-SELECTION_PRESETS = ("auto",)
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 # Prefill attention: "auto" uses the native kernel (kvblend/kernels) for the engine's dtype where it applies
 # (head_dim 64 on the CPU: bf16 with AMX or else AVX512-BF16, fp32 with AVX2 + FMA) and PyTorch's kernels
@@ -161,45 +161,6 @@ def validate_fidelity(target: float | None) -> float | None:
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 < float(target) <= 1.0:
         raise ValueError(f"fidelity must be within (0, 1] (target first-token agreement), got {target!r}")
     return float(target)
-
-
-def validate_selection(selection: str) -> str:
-    if selection not in SELECTION_KINDS + SELECTION_PRESETS:
-        raise ValueError(f"unknown token selection {selection!r}; expected one of "
-                         f"{', '.join(SELECTION_KINDS + SELECTION_PRESETS)}")
-    return selection
-
-
-def validate_lookahead_layers(num_layers: int) -> int:
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
-        raise ValueError(f"lookahead_layers must be an integer >= 0 (0 = every layer), got {num_layers!r}")
-    return num_layers
-
-
-def parse_selection(text: str) -> tuple[str, int | None]:
-    """A selection as benches name it: "deviation", "query", "lookahead", or "lookahead:N" (the reuse pass
-    runs the first N layers) -> (kind, N or None)."""
-    kind, sep, depth = text.partition(":")
-    validate_selection(kind)
-    if not sep:
-        return kind, None
-    if kind != "lookahead":
-        raise ValueError(f"only lookahead takes a layer count ('lookahead:8'), got {text!r}")
-    if not depth.isdigit():
-        raise ValueError(f"lookahead's layer count must be a whole number ('lookahead:8'), got {text!r}")
-    return kind, validate_lookahead_layers(int(depth))
-
-
-def validate_mode(mode: str) -> str:
-    if mode not in PREFILL_MODES:
-        raise ValueError(f"unknown prefill mode {mode!r}; expected one of {', '.join(PREFILL_MODES)}")
-    return mode
-
-
-def validate_ratio(ratio: float) -> float:
-    if not (0.0 <= float(ratio) <= 1.0):
-        raise ValueError(f"recompute_ratio must be within [0, 1], got {ratio}")
-    return float(ratio)
 
 
 @dataclass

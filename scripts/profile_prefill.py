@@ -43,10 +43,11 @@ import torch.nn.functional as F  # noqa: E402
 from kvblend.blend.blender import KernelAttention, TorchAttention  # noqa: E402
 from kvblend.bench.data import DEFAULT_MUSIQUE, load_musique  # noqa: E402
 from kvblend.bench.engine_bench import bench_segments  # noqa: E402
-from kvblend.client.stream import ModeSpec, parse_mode_spec  # noqa: E402
-from kvblend.config import BlendConfig, EngineConfig, ModelConfig, parse_selection  # noqa: E402
+from kvblend.client.stream import parse_mode_spec  # noqa: E402
+from kvblend.config import BlendConfig, EngineConfig, ModelConfig  # noqa: E402
 from kvblend.engine.engine import create_engine  # noqa: E402
 from kvblend.engine.request import GenerationRequest, SamplingParams  # noqa: E402
+from kvblend.policy import PrefillPolicy  # noqa: E402
 from kvblend.models.transformer import TransformerOps  # noqa: E402
 
 
@@ -71,15 +72,13 @@ def expanded_attend(self, q, k, v, mask, causal=True):
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
 
-def mode_request(segs, spec: ModeSpec, sampling: SamplingParams | None = None) -> GenerationRequest:
+def mode_request(segs, spec: PrefillPolicy, sampling: SamplingParams | None = None) -> GenerationRequest:
     """``spec`` as `eval` names modes (blend@0.15/lookahead); a bare blend takes the engine's ratio. One token
     unless ``sampling`` says otherwise."""
-    selection, depth = parse_selection(spec.selection) if spec.selection else (None, None)  # "lookahead:8"
-    return GenerationRequest(segs, sampling or SamplingParams(max_tokens=1), mode=spec.mode,
-                             recompute_ratio=spec.ratio, selection=selection, lookahead_layers=depth)
+    return GenerationRequest(segs, sampling or SamplingParams(max_tokens=1), spec)
 
 
-def decode_ms_per_token(engine, segs, spec: ModeSpec, num_tokens: int, repeats: int) -> float:
+def decode_ms_per_token(engine, segs, spec: PrefillPolicy, num_tokens: int, repeats: int) -> float:
     """Median time a decoded token takes after ``spec``'s prefill (the first token excluded)."""
     sampling = SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True)
     per_token = []
@@ -91,7 +90,7 @@ def decode_ms_per_token(engine, segs, spec: ModeSpec, num_tokens: int, repeats: 
     return statistics.median(per_token)
 
 
-def time_mode(engine, segs, spec: ModeSpec, repeats: int) -> list[float]:
+def time_mode(engine, segs, spec: PrefillPolicy, repeats: int) -> list[float]:
     for _ in range(2):  # warm-up: kernels chosen, buffers pooled
         engine.run(mode_request(segs, spec))
     return [engine.run(mode_request(segs, spec)).stats.ttft_ms for _ in range(repeats)]
@@ -135,7 +134,7 @@ def timed_parts(device: str):
             setattr(owner, name, fn)
 
 
-def parts_table(engine, segs, spec: ModeSpec, device: str, repeats: int) -> str:
+def parts_table(engine, segs, spec: PrefillPolicy, device: str, repeats: int) -> str:
     """Markdown rows: where ``spec``'s requests spend their time, in ms a request (means over ``repeats``)."""
     time_mode(engine, segs, spec, 0)  # warm-up
     with timed_parts(device) as totals:
@@ -150,7 +149,7 @@ def parts_table(engine, segs, spec: ModeSpec, device: str, repeats: int) -> str:
     return "\n".join(lines)
 
 
-def profile_mode(engine, segs, spec: ModeSpec, device: str, rows: int, shapes: bool = False) -> str:
+def profile_mode(engine, segs, spec: PrefillPolicy, device: str, rows: int, shapes: bool = False) -> str:
     """One request under torch.profiler; ``shapes``: one table row per op and input shapes."""
     from torch.profiler import ProfilerActivity, profile
 

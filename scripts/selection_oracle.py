@@ -38,7 +38,8 @@ from kvblend.bench.data import DEFAULT_MUSIQUE, load_musique  # noqa: E402
 from kvblend.bench.engine_bench import bench_segments, first_token_kl  # noqa: E402
 from kvblend.blend.blender import KVCache, PrefillPlan, run_prefill  # noqa: E402
 from kvblend.blend.selection import num_to_keep, select_top_tokens  # noqa: E402
-from kvblend.config import EngineConfig, ModelConfig, parse_selection  # noqa: E402
+from kvblend.config import EngineConfig, ModelConfig  # noqa: E402
+from kvblend.policy import parse_selection  # noqa: E402
 from kvblend.engine.engine import create_engine  # noqa: E402
 from kvblend.store.memory import MemoryStore  # noqa: E402
 

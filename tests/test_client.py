@@ -13,8 +13,9 @@ from openai_standin import STANDIN_KEY, isolated, server  # noqa: F401 (pytest f
 
 from kvblend.client import doctor
 from kvblend.client.auth import AuthError, Endpoint, load_endpoint, mask_key
-from kvblend.client.stream import (ChatRequest, ModeSpec, kvblend_override, make_async_client, parse_mode_list,
+from kvblend.client.stream import (ChatRequest, make_async_client, parse_mode_list, policy_extra_body,
                                    parse_mode_spec, stream_chat)
+from kvblend.policy import Mode, PrefillPolicy, Selection
 
 KEY = STANDIN_KEY
 
@@ -111,19 +112,20 @@ def test_missing_file_and_profile(tmp_path):
 
 
 def test_mode_specs():
-    assert parse_mode_spec("blend@0.15") == ModeSpec("blend", 0.15)
-    assert parse_mode_spec("blend@0.15").extra_body() == {"mode": "blend", "recompute_ratio": 0.15}
-    assert parse_mode_spec("default").extra_body() == {}
+    assert parse_mode_spec("blend@0.15") == PrefillPolicy(Mode.BLEND, 0.15)
+    assert parse_mode_spec("blend@0.1/lookahead:8") == PrefillPolicy(Mode.BLEND, 0.1, Selection.LOOKAHEAD, 8)
+    assert policy_extra_body(parse_mode_spec("blend@0.15")) == {"mode": "blend", "recompute_ratio": 0.15}
+    assert policy_extra_body(parse_mode_spec("default")) == {}
     spec = parse_mode_spec("blend@0.15/lookahead")
-    assert spec.label == "blend@0.15/lookahead" and spec.extra_body() == {
+    assert spec.label == "blend@0.15/lookahead" and policy_extra_body(spec) == {
         "mode": "blend", "recompute_ratio": 0.15, "selection": "lookahead"}
-    assert parse_mode_spec("blend/query").extra_body() == {"mode": "blend", "selection": "query"}
+    assert policy_extra_body(parse_mode_spec("blend/query")) == {"mode": "blend", "selection": "query"}
     spec = parse_mode_spec("blend@0.15/lookahead:8")  # the reuse pass's first 8 layers, as bench engine says it
-    assert spec.label == "blend@0.15/lookahead:8" and spec.extra_body()["selection"] == "lookahead:8"
+    assert spec.label == "blend@0.15/lookahead:8" and policy_extra_body(spec)["selection"] == "lookahead:8"
     with pytest.raises(ValueError, match="only lookahead takes a layer count"):
         parse_mode_spec("blend@0.15/query:8")
     assert [m.label for m in parse_mode_list("full, reuse,blend@0.5")] == ["full", "reuse", "blend@0.5"]
-    assert kvblend_override(None) == {}
+    assert policy_extra_body(PrefillPolicy()) == {} and PrefillPolicy.parse("default").is_default
     with pytest.raises(ValueError, match="unknown prefill mode"):
         parse_mode_spec("turbo")
     with pytest.raises(ValueError, match="only blend takes a ratio"):
@@ -145,7 +147,7 @@ def test_stream_chat_reads_content_usage_and_passes_extra_body(server):
         client = make_async_client(ep)
         try:
             first = await stream_chat(client, "standin-a", ChatRequest(messages, 8,
-                                                                       extra_body=kvblend_override("blend", 0.25)))
+                                                                       extra_body=policy_extra_body(PrefillPolicy.parse("blend@0.25"))))
             again = await stream_chat(client, "standin-a", ChatRequest(messages, 8))
             missing = await stream_chat(client, "no-such-model", ChatRequest(messages, 8))
             return first, again, missing

@@ -47,7 +47,8 @@ class _Tally:
 def run(args) -> int:
     from kvblend.bench.data import load_examples
     from kvblend.bench.engine_bench import bench_segments, first_token_kl
-    from kvblend.config import EngineConfig, ModelConfig, parse_selection, validate_fidelity, validate_ratio
+    from kvblend.config import EngineConfig, ModelConfig, validate_fidelity
+    from kvblend.policy import parse_selection, validate_ratio
     from kvblend.engine.engine import create_engine
     from kvblend.engine.fidelity import Calibration, CalibrationPoint
     from kvblend.engine.request import GenerationRequest, SamplingParams

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kvblend.config import (DEVIATION_KINDS, BlendConfig, default_dtype, default_model,
                             default_num_threads)
+from kvblend.policy import PrefillPolicy
 
 DEFAULT_RATIOS = (0.05, 0.15, 0.30)
 MODES = ("full", "prefix", "reuse", "blend")
@@ -37,6 +38,10 @@ class ModeRun:
     # ms a token after the first (TPOT), None where the answer stopped at one token
     decode_ms: list[float | None] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
+
+    @property
+    def policy(self) -> PrefillPolicy:
+        return PrefillPolicy.from_fields(self.mode, self.ratio, self.selection)
 
     def summary(self, full: "ModeRun") -> dict:
         med = statistics.median(self.ttft_ms) if self.ttft_ms else float("nan")
@@ -132,7 +137,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from kvblend.bench.data import load_examples
     from kvblend.bench.metrics import clean_answer, f1_score, max_over_golds, rouge_l
-    from kvblend.config import BlendConfig, EngineConfig, ModelConfig, parse_selection
+    from kvblend.config import BlendConfig, EngineConfig, ModelConfig
     from kvblend.engine.engine import create_engine
     from kvblend.engine.request import GenerationRequest, SamplingParams
     from kvblend.store.memory import MemoryStore
@@ -185,10 +190,8 @@ def run(args) -> int:
             engine.run(GenerationRequest(cached_order, SamplingParams(max_tokens=1), mode="prefix"))
         full_result = None
         for mr in runs:
-            selection, depth = parse_selection(mr.selection) if mr.selection else (None, None)
             start = time.perf_counter()
-            res = engine.run(GenerationRequest(segs, sampling, mode=mr.mode, recompute_ratio=mr.ratio,
-                                               selection=selection, lookahead_layers=depth))
+            res = engine.run(GenerationRequest(segs, sampling, mr.policy))
             wall_ms = (time.perf_counter() - start) * 1e3
             mr.decode_ms.append(_decode_ms_per_step(res, wall_ms))
             if mr.mode == "full":
@@ -371,7 +374,7 @@ def _ratio_text(ratio: float | None) -> str:
 
 
 def _selections(text: str) -> list[str]:
-    from kvblend.config import SELECTION_KINDS, parse_selection
+    from kvblend.policy import SELECTION_KINDS, parse_selection
 
     selections = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
     unknown = []

@@ -15,14 +15,15 @@ from kvblend.bench.common import make_progress, markdown_table, ms, report_heade
 from kvblend.bench.data import DEFAULT_INSTRUCTION, QAExample, build_prompt, user_messages
 from kvblend.bench.metrics import clean_answer, exact_match, f1_score, max_over_golds, rouge_l, summarize
 from kvblend.client.auth import Endpoint
-from kvblend.client.stream import ChatRequest, ModeSpec, StreamResult, merge_extra_body
+from kvblend.client.stream import ChatRequest, StreamResult, merge_extra_body, policy_extra_body
+from kvblend.policy import PrefillPolicy
 
 REFERENCE_MODE = "full"
 
 
 @dataclass
 class EvalConfig:
-    modes: list[ModeSpec]
+    modes: list[PrefillPolicy]
     max_tokens: int = 32
     n_docs: int | None = None  # passages per example; None: all of them
     instruction: str = DEFAULT_INSTRUCTION
@@ -43,13 +44,13 @@ class EvalConfig:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
 
-    def prewarm_modes(self) -> list[ModeSpec]:
+    def prewarm_modes(self) -> list[PrefillPolicy]:
         """Untimed warm-up modes: a chunk-storing one (blend / reuse) so their chunks are stored, and
         prefix so prefix caching has seen the warm-up order. Empty when nothing reuses anything."""
         if not self.prewarm:
             return []
-        return [next(m for m in self.modes if m.mode in wanted) for wanted in (("blend", "reuse"), ("prefix", "default"))
-                if any(m.mode in wanted for m in self.modes)]
+        return [next(m for m in self.modes if (m.mode or "default") in wanted) for wanted in (("blend", "reuse"), ("prefix", "default"))
+                if any((m.mode or "default") in wanted for m in self.modes)]
 
     def timed_passages(self, passages: list[str], index: int) -> list[str]:
         if not self.shuffle:
@@ -98,7 +99,7 @@ def summarize_mode(records: list[dict]) -> dict:
     }
 
 
-def _record(ex: QAExample, mode: ModeSpec, r: StreamResult) -> dict:
+def _record(ex: QAExample, mode: PrefillPolicy, r: StreamResult) -> dict:
     answer = clean_answer(r.text)
     return {"qid": ex.qid, "mode": mode.label, "question": ex.question, "golds": ex.answers, "raw": r.text,
             "answer": answer, **(score_answer(answer, ex.answers) if r.ok else score_answer("", [])),
@@ -120,10 +121,10 @@ async def eval_endpoint(endpoint: Endpoint, examples: list[QAExample], cfg: Eval
             messages = user_messages(build_prompt(cfg.instruction, cfg.timed_passages(passages, i), ex.question))
             for warm in cfg.prewarm_modes():
                 await stream_chat(client, model, ChatRequest(warm_messages, 1, extra_body=merge_extra_body(
-                    cfg.extra_body, warm.extra_body())))
+                    cfg.extra_body, policy_extra_body(warm))))
             for mode in cfg.modes:  # sequential: concurrent requests would inflate each other's TTFT
                 r = await stream_chat(client, model, ChatRequest(
-                    messages, cfg.max_tokens, extra_body=merge_extra_body(cfg.extra_body, mode.extra_body())))
+                    messages, cfg.max_tokens, extra_body=merge_extra_body(cfg.extra_body, policy_extra_body(mode))))
                 records.append(_record(ex, mode, r))
                 progress.advance(task)
     finally:

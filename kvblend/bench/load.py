@@ -20,7 +20,8 @@ from kvblend.bench.common import (add_common_arguments, make_progress, markdown_
 from kvblend.bench.data import DEFAULT_INSTRUCTION, build_prompt, load_examples, questions, take_passages, user_messages
 from kvblend.bench.metrics import summarize
 from kvblend.client.auth import Endpoint, add_endpoint_arguments, endpoints_from_args
-from kvblend.client.stream import ChatRequest, ModeSpec, StreamResult, merge_extra_body
+from kvblend.client.stream import ChatRequest, StreamResult, merge_extra_body, policy_extra_body
+from kvblend.policy import PrefillPolicy
 
 THROUGHPUT_FLOOR = 0.8  # throughput below this share of the arrival rate counts as saturation
 
@@ -28,7 +29,7 @@ THROUGHPUT_FLOOR = 0.8  # throughput below this share of the arrival rate counts
 @dataclass
 class LoadConfig:
     rates: list[float]  # offered request rates (req/s), run in ascending order
-    modes: list[ModeSpec]
+    modes: list[PrefillPolicy]
     requests: int = 20  # arrivals per rate at most
     duration_s: float = 60.0  # arrival window per rate at most
     drain_s: float = 120.0  # wait for in-flight requests after the last arrival; later ones count as timeouts
@@ -163,7 +164,7 @@ async def load_endpoint(endpoint: Endpoint, pool: list[str], qs: list[str], cfg:
         model = await resolve_model_id(client, endpoint)
         out: dict = {"endpoint": endpoint.public_dict(), "model": model, "modes": {}, "knees": {}, "saturation": {}}
         for mode in cfg.modes:
-            extra = merge_extra_body(cfg.extra_body, mode.extra_body())
+            extra = merge_extra_body(cfg.extra_body, policy_extra_body(mode))
             # Warm-up (unmeasured): every pool document once, so reuse modes start from a filled cache.
             for i in range(0, len(pool), cfg.n_docs):
                 docs = pool[i:i + cfg.n_docs]

@@ -23,7 +23,8 @@ from kvblend.bench.common import (add_common_arguments, make_progress, markdown_
 from kvblend.bench.data import DEFAULT_INSTRUCTION, build_prompt, load_examples, questions, take_passages, user_messages
 from kvblend.bench.metrics import summarize
 from kvblend.client.auth import Endpoint, add_endpoint_arguments, endpoints_from_args
-from kvblend.client.stream import ChatRequest, StreamResult, merge_extra_body, parse_mode_spec
+from kvblend.client.stream import (ChatRequest, StreamResult, merge_extra_body, parse_mode_spec,
+                                   policy_extra_body)
 
 SCENARIOS = ("prefix_hit", "shuffled", "full_recompute")
 
@@ -183,7 +184,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     endpoints = endpoints_from_args(args)
-    override = parse_mode_spec(args.mode).extra_body() if args.mode else None
+    override = policy_extra_body(parse_mode_spec(args.mode)) if args.mode else None
     cfg = TTFTConfig(rounds=args.rounds, n_docs=args.docs, concurrency=args.concurrency, warmup=args.warmup,
                      max_tokens=args.max_tokens, seed=args.seed, extra_body=merge_extra_body(args.extra_body, override),
                      scenarios=tuple(s.strip() for s in args.scenarios.split(",") if s.strip()))

@@ -12,68 +12,30 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from kvblend.client.auth import Endpoint
+from kvblend.policy import PrefillPolicy
 
-# Request-body fields the kvblend server reads as a per-request prefill override, sent via extra_body.
-# Agreed with the server: top-level fields. If the server moves them under one object, set
-# OVERRIDE_NAMESPACE (e.g. "kvblend") and every caller follows.
-MODE_FIELD = "mode"
-RATIO_FIELD = "recompute_ratio"
-SELECTION_FIELD = "selection"
+# kvblend's per-request prefill fields (PrefillPolicy.request_fields) go top-level in extra_body. If
+# the server moves them under one object, set OVERRIDE_NAMESPACE (e.g. "kvblend") and every caller follows.
 OVERRIDE_NAMESPACE: str | None = None
-
-DEFAULT_MODE = "default"  # mode spec meaning "send no override"
 
 PLACEHOLDER_KEY = "EMPTY"  # the openai client insists on a key; servers without auth ignore it
 
 
-def kvblend_override(mode: str | None, ratio: float | None = None, selection: str | None = None) -> dict:
-    """extra_body asking kvblend for one prefill mode (and ratio, token selection); {} when mode is None."""
-    if mode is None:
+def parse_mode_spec(text: str) -> PrefillPolicy:
+    """A prefill policy as the benches name their rows (``full``, ``blend@0.15/lookahead:8``, or
+    ``default``: no override, the server's own default and the only choice for non-kvblend servers)."""
+    return PrefillPolicy.parse(text)
+
+
+def policy_extra_body(policy: PrefillPolicy) -> dict:
+    """extra_body asking kvblend for ``policy``; {} for "default"."""
+    fields = policy.request_fields()
+    if not fields:
         return {}
-    body: dict = {MODE_FIELD: mode}
-    if ratio is not None:
-        body[RATIO_FIELD] = float(ratio)
-    if selection is not None:
-        body[SELECTION_FIELD] = selection
-    return {OVERRIDE_NAMESPACE: body} if OVERRIDE_NAMESPACE else body
+    return {OVERRIDE_NAMESPACE: fields} if OVERRIDE_NAMESPACE else fields
 
 
-@dataclass(frozen=True)
-class ModeSpec:
-    """A prefill mode as named on the command line: ``full``, ``reuse``, ``blend``, ``blend@0.15``,
-    ``blend@0.15/lookahead`` or ``blend@0.15/lookahead:8`` (a token selection, as `bench engine` names its
-    rows); ``default`` sends no override (the server's own default; the only choice for non-kvblend
-    servers)."""
-
-    mode: str
-    ratio: float | None = None
-    selection: str | None = None
-
-    @property
-    def label(self) -> str:
-        label = f"{self.mode}@{self.ratio:g}" if self.ratio is not None else self.mode
-        return f"{label}/{self.selection}" if self.selection else label
-
-    def extra_body(self) -> dict:
-        return {} if self.mode == DEFAULT_MODE else kvblend_override(self.mode, self.ratio, self.selection)
-
-
-def parse_mode_spec(text: str) -> ModeSpec:
-    from kvblend.config import parse_selection, validate_mode, validate_ratio
-
-    spec, _, selection = text.strip().partition("/")
-    mode, _, ratio = spec.partition("@")
-    if mode == DEFAULT_MODE and not ratio and not selection:
-        return ModeSpec(DEFAULT_MODE)
-    validate_mode(mode)
-    if (ratio or selection) and mode != "blend":
-        raise ValueError(f"only blend takes a ratio or a token selection ('blend@0.15/lookahead'), got {text!r}")
-    if selection:
-        parse_selection(selection)  # an unknown selection (or a depth on anything but lookahead) raises
-    return ModeSpec(mode, validate_ratio(float(ratio)) if ratio else None, selection or None)
-
-
-def parse_mode_list(text: str) -> list[ModeSpec]:
+def parse_mode_list(text: str) -> list[PrefillPolicy]:
     specs = [parse_mode_spec(t) for t in text.split(",") if t.strip()]
     if not specs:
         raise ValueError("no modes given")

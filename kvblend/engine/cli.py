@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvblend.config import default_dtype, default_model, parse_selection
+from kvblend.config import default_dtype, default_model
+from kvblend.policy import PrefillPolicy, parse_selection
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,12 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the text and prefill stats as JSON")
 
 
-def _selection(text: str) -> tuple[str, int | None]:
-    """--selection: (kind, lookahead depth or None); argparse prints the error on one line."""
+def _selection(text: str) -> str:
+    """--selection, checked here so argparse prints the error on one line."""
     try:
-        return parse_selection(text)
+        parse_selection(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _read_docs(path: str) -> list[str]:
@@ -61,9 +63,8 @@ def run(args) -> int:
     segs = engine.segments(docs, args.question, instruction=args.instruction)
     if args.mode in ("reuse", "blend"):
         engine.precompute(segs.chunk_ids)  # a one-shot run has an empty store: fill it first, untimed
-    selection, depth = args.selection or (None, None)
-    result = engine.run(GenerationRequest(segs, sampling, mode=args.mode, recompute_ratio=args.ratio,
-                                          selection=selection, lookahead_layers=depth))
+    policy = PrefillPolicy.from_fields(args.mode, args.ratio, args.selection)
+    result = engine.run(GenerationRequest(segs, sampling, policy))
     if args.json:
         print(json.dumps({"text": result.text, "finish_reason": result.finish_reason, **result.stats.as_dict()}))
     else:

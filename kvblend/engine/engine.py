@@ -23,8 +23,8 @@ from kvblend.blend.rope import apply_rope, halves_repeat
 from kvblend.blend.segmenter import (Segments, build_segments, build_segments_from_messages, encode,
                                      render_template_halves)
 from kvblend.blend.selection import num_to_keep, select_top_tokens
-from kvblend.config import (EngineConfig, parse_selection, validate_fidelity, validate_lookahead_layers,
-                            validate_mode, validate_ratio, validate_selection)
+from kvblend.config import EngineConfig, validate_fidelity
+from kvblend.policy import Mode, PrefillPolicy, Selection, validate_lookahead_layers
 from kvblend.engine.fidelity import (AUTO_FALLBACK, FAMILY_DEFAULTS, Calibration, FidelityController, Setting,
                                      calibration_path)
 from kvblend.engine.request import (GenerationRequest, GenerationResult, PrefillStats, SamplingParams,
@@ -51,30 +51,6 @@ class ContextLengthError(ValueError):
             f"this model's maximum context length is {max_context_len} tokens; the prompt has {prompt_tokens} "
             f"tokens and {max_tokens} more were requested for the completion ({prompt_tokens + max_tokens} in all)"
         )
-
-
-@dataclass(frozen=True)
-class _Choice:
-    """How one request prefills, its defaults resolved from the engine's BlendConfig."""
-
-    mode: str
-    ratio: float
-    selection: str
-    lookahead_layers: int  # 0 = every layer; else fewer than the model's layers
-
-    @property
-    def selection_label(self) -> str:
-        """The selection as requests and benches spell it: "lookahead:8" for a shortened reuse pass."""
-        depth = f":{self.lookahead_layers}" if self.selection == "lookahead" and self.lookahead_layers else ""
-        return f"{self.selection}{depth}"
-
-    @property
-    def chain_tag(self) -> str:
-        """Part of chained (blended-prefix) keys: blended KV depends on the mode, ratio and selection, so
-        entries of one never serve another."""
-        if self.mode != "blend" or self.selection == "deviation":
-            return f"{self.mode}@{self.ratio:g}"
-        return f"{self.mode}@{self.ratio:g}/{self.selection_label}"
 
 
 @dataclass
@@ -266,36 +242,34 @@ class Engine:
                     self.store.put(key, kv)
             finally:
                 self.buffers.give(k_buffer)
-    def _resolve_choice(self, request: GenerationRequest) -> tuple[_Choice, Setting | None]:
-        """The request's mode / ratio / selection, defaults from BlendConfig; with a fidelity target (the
-        request's, else the config's unless the request names a ratio or selection) the controller's."""
-        blend = self.config.blend
-        mode = validate_mode(request.mode or blend.mode)
+    def _resolve_choice(self, request: GenerationRequest) -> tuple[PrefillPolicy, Setting | None]:
+        """The request's policy completed from BlendConfig; with a fidelity target (the request's, else
+        the config's unless the request names a ratio or selection) the controller's setting."""
+        blend, asked = self.config.blend, request.policy
+        mode = asked.mode or Mode(blend.mode)
         target = validate_fidelity(request.fidelity)
-        if target is not None and (request.recompute_ratio is not None or request.selection is not None):
+        if target is not None and (asked.ratio is not None or asked.selection is not None):
             raise ValueError("give either fidelity or recompute_ratio / selection, not both")
-        if target is None and request.recompute_ratio is None and request.selection is None:
+        if target is None and asked.ratio is None and asked.selection is None:
             target = blend.fidelity
         setting = None
-        if target is not None and mode in ("blend", "reuse"):
+        if target is not None and mode in (Mode.BLEND, Mode.REUSE):
             setting = self.fidelity.choose(target)
-            mode = setting.mode
-            ratio = setting.ratio
-            selection, depth = parse_selection(setting.selection or "deviation")  # full: unused
+            chosen = PrefillPolicy.from_fields(setting.mode, setting.ratio,
+                                               setting.selection or Selection.DEVIATION)  # full: unused
         else:
-            ratio = validate_ratio(blend.recompute_ratio if request.recompute_ratio is None
-                                   else request.recompute_ratio)
-            selection = validate_selection(request.selection or blend.selection)
-            depth = request.lookahead_layers
-            if selection == "auto":  # the family's measured best; a request's own ratio still wins
-                selection, family_ratio = FAMILY_DEFAULTS.get(self.loaded.model_type, AUTO_FALLBACK)
-                ratio = family_ratio if request.recompute_ratio is None else ratio
-        depth = validate_lookahead_layers(blend.lookahead_layers if depth is None else depth)
+            chosen = asked.with_defaults(mode, blend.recompute_ratio, blend.selection, blend.lookahead_layers)
+            if chosen.selection == Selection.AUTO:  # the family's measured best; the request's ratio wins
+                kind, family_ratio = FAMILY_DEFAULTS.get(self.loaded.model_type, AUTO_FALLBACK)
+                chosen = replace(chosen, selection=Selection(kind),
+                                 ratio=family_ratio if asked.ratio is None else chosen.ratio)
+        chosen = chosen.with_defaults(mode, blend.recompute_ratio, blend.selection, blend.lookahead_layers)
+        depth = validate_lookahead_layers(chosen.lookahead_layers)
         # A depth of the whole model or more is every layer: one spelling (0), so one chained-key tag.
-        return _Choice(mode, ratio, selection, 0 if depth >= self.ops.num_layers else depth), setting
+        return replace(chosen, lookahead_layers=0 if depth >= self.ops.num_layers else depth), setting
 
     # ---- fidelity: shadow full prefills --------------------------------------------------------
-    def _maybe_shadow(self, request: GenerationRequest, choice: _Choice, seq: Sequence) -> None:
+    def _maybe_shadow(self, request: GenerationRequest, choice: PrefillPolicy, seq: Sequence) -> None:
         """Queue one in ``fidelity_shadow_every`` fidelity-chosen blends for a shadow full prefill."""
         every = self.config.blend.fidelity_shadow_every
         if choice.mode != "blend" or every == 0 or seq.first_token_logits is None:
@@ -323,7 +297,7 @@ class Engine:
         seq.cache.release()
         return True
 
-    def _prefill(self, request: GenerationRequest, choice: _Choice, cache: KVCache, k_work: torch.Tensor,
+    def _prefill(self, request: GenerationRequest, choice: PrefillPolicy, cache: KVCache, k_work: torch.Tensor,
                  t0: float) -> Sequence:
         """Plan, run the layer loop (once more if stored KV fails mid-read), sample the first token.
         k_work [L, Hkv, T, d]: pre-RoPE K of the prompt rows, stored rows loaded into it."""
@@ -372,7 +346,7 @@ class Engine:
             seq.pending.append(event)
         return seq
 
-    def _plan(self, segs: Segments, choice: _Choice, namespace: str, stats: PrefillStats, cache: KVCache,
+    def _plan(self, segs: Segments, choice: PrefillPolicy, namespace: str, stats: PrefillStats, cache: KVCache,
               k_work: torch.Tensor, bad: set[str] = frozenset()):
         """Look segments up in the store for ``choice.mode`` and build the layer-loop plan; stored K loads into
         ``k_work`` [L, Hkv, T, d], stored V into the cache.

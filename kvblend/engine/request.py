@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field, replace
 
 from kvblend.blend.segmenter import Segments
+from kvblend.policy import PrefillPolicy
 
 
 @dataclass
@@ -32,16 +33,31 @@ class SamplingParams:
 
 @dataclass
 class GenerationRequest:
+    """One request. Its prefill is one ``PrefillPolicy`` (fields left None take the engine's
+    BlendConfig); ``mode=``, ``recompute_ratio=``, ``selection=`` ("lookahead:8" allowed) and
+    ``lookahead_layers=`` are accepted as keywords and parsed into it here, once."""
+
     segments: Segments
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    mode: str | None = None  # None: the engine's default (BlendConfig.mode)
-    recompute_ratio: float | None = None
-    selection: str | None = None  # blend's token selection; None: the engine's default (BlendConfig.selection)
-    lookahead_layers: int | None = None  # depth of lookahead's reuse pass; None: BlendConfig.lookahead_layers
+    policy: PrefillPolicy = field(default_factory=PrefillPolicy)
     namespace: str = ""  # tenant: part of every store key, so tenants never share KV
     # Target first-token agreement with full prefill: the engine picks mode, ratio and selection
     # (kvblend/engine/fidelity.py). None: BlendConfig.fidelity; exclusive with recompute_ratio/selection.
     fidelity: float | None = None
+    mode: InitVar[str | None] = None
+    recompute_ratio: InitVar[float | None] = None
+    selection: InitVar[str | None] = None
+    lookahead_layers: InitVar[int | None] = None
+
+    def __post_init__(self, mode, recompute_ratio, selection, lookahead_layers):
+        fields = (mode, recompute_ratio, selection, lookahead_layers)
+        if any(f is not None for f in fields):
+            given = PrefillPolicy.from_fields(*fields)
+            self.policy = replace(given, mode=given.mode or self.policy.mode,
+                                  ratio=self.policy.ratio if given.ratio is None else given.ratio,
+                                  selection=given.selection or self.policy.selection,
+                                  lookahead_layers=self.policy.lookahead_layers
+                                  if given.lookahead_layers is None else given.lookahead_layers)
 
 
 @dataclass

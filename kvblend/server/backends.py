@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Union
 
 from kvblend.blend.segmenter import build_completion_segments
-from kvblend.config import ModelEntry, ServerConfig, parse_selection
+from kvblend.config import ModelEntry, ServerConfig
+from kvblend.policy import PrefillPolicy
 from kvblend.server.logprobs import token_entry
 from kvblend.engine.request import GenerationRequest, GenerationResult, PrefillStats, SamplingParams, TokenEvent
 from kvblend.engine.scheduler import Failed, QueueFullError, Scheduler, SchedulerClosedError, Started
@@ -116,10 +117,8 @@ def build_request(engine, job: GenerationJob, default_max_tokens: int,
     max_tokens = job.max_tokens or max(1, min(default_max_tokens, limit - n))
     sampling = SamplingParams(max_tokens=max_tokens, temperature=job.temperature, top_p=job.top_p,
                               stop=list(job.stop), seed=job.seed, logprobs=job.logprobs)
-    selection, depth = parse_selection(job.selection) if job.selection else (None, None)  # "lookahead:8"
-    return GenerationRequest(segs, sampling, mode=job.mode, recompute_ratio=job.recompute_ratio,
-                             selection=selection, lookahead_layers=depth, namespace=job.namespace,
-                             fidelity=job.fidelity)
+    policy = PrefillPolicy.from_fields(job.mode, job.recompute_ratio, job.selection)  # "lookahead:8"
+    return GenerationRequest(segs, sampling, policy, namespace=job.namespace, fidelity=job.fidelity)
 
 
 def map_engine_error(e: BaseException) -> errors.APIError:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
-from kvblend.config import parse_selection
+from kvblend.policy import parse_selection
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
 
@@ -22,8 +22,8 @@ def _valid_selection(text: str) -> str:
     return text
 
 
-# blend's token selection (kvblend.config.SELECTION_KINDS), or "lookahead:N"
-SELECTION_PATTERN = r"^(deviation|query|lookahead(:[0-9]{1,4})?)$"
+# blend's token selection (kvblend.policy.Selection), or "lookahead:N"
+SELECTION_PATTERN = r"^(deviation|query|auto|lookahead(:[0-9]{1,4})?)$"
 Selection = Annotated[str, AfterValidator(_valid_selection),
                       WithJsonSchema({"type": "string", "pattern": SELECTION_PATTERN})]
 
