@@ -5,9 +5,9 @@
 
 Every operation gets ``--max-examples`` generated requests (8 operations x 6,000 = 48,000, plus
 schemathesis' own coverage and stateful phases: past 50,000 in all); generated ``max_tokens`` are
-capped at 16 by a hook in this file, or streamed answers of thousands of tokens stall the run. The checks are the issue's
-targets: no 5xx, every status documented, every content type and body as the schema says. The
-exit status is schemathesis'; its JUnit report goes to ``--report-dir``.
+capped at 16 by a hook in this file, or streamed answers of thousands of tokens stall the run. The
+checks are the issue's targets: no 5xx, every status documented, every content type and body as the
+schema says. The exit status is schemathesis'; its JUnit report goes to ``--report-dir``.
 """
 
 from __future__ import annotations
