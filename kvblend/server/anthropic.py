@@ -37,8 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvblend.server import errors
 from kvblend.server.backends import Delta, Final, GenerationJob
+from kvblend.server.reuse_warning import warn
 from kvblend.server.schemas import Selection
-from kvblend.server.reuse_warning import warn  # noqa: I001 (apart from lines others edit)
 
 log = logging.getLogger(__name__)
 
