@@ -235,6 +235,22 @@ def test_llamaindex_multiblock_message(server):
     assert chunk_hits(server, lambda: ask(reordered(ds), "What is sold?")) == (3, 3)
 
 
+def test_llamaindex_glued_blocks_of_known_documents(server):
+    """Blocks glued with nothing between them: documents the server already cached (here through
+    /v1/chunks) are found by their text wherever they sit."""
+    llm, ds = llama(server), docs("liglued")
+
+    def ask(order, query):
+        blocks = [TextBlock(text=d) for d in order] + [TextBlock(text=query)]
+        return llm.chat([ChatMessage(role=MessageRole.USER, blocks=blocks)])
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.base_url + "/v1/chunks", json={"documents": ds}, headers=auth)
+    assert r.status_code == 200
+    assert chunk_hits(server, lambda: ask(ds, "When was the lighthouse built?")) == (3, 3)
+    assert chunk_hits(server, lambda: ask(reordered(ds), "What is sold?")) == (3, 3)
+
+
 def test_one_document_one_chunk_every_way(server, client):
     """After /v1/chunks, the same documents hit whichever way they come in."""
     ds = docs("oneway", 2)

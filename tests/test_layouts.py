@@ -135,3 +135,19 @@ def test_dspy_numbered_context_field():
     # the same documents in another order: the same document texts, the same glue by position
     again = split_context(text.replace(_dspy_list(docs), _dspy_list(docs[::-1])))
     assert sorted(map(str.strip, again.documents)) == sorted(map(str.strip, lay.documents))
+
+
+def test_known_documents_are_found_where_nothing_separates_them():
+    from kvblend.blend.known_docs import KnownDocuments
+
+    long_docs = [d + " It is a long enough document for the index." * 2 for d in DOCS]
+    known = KnownDocuments()
+    for d in long_docs[:2]:
+        known.add(d + "\n\n")  # as encode_chunk sees it: the canonical chunk text
+    glued = "Intro: " + long_docs[1] + long_docs[0] + long_docs[2] + "Which river?"
+    lay = known.layout(glued)
+    assert lay.documents == [long_docs[1], long_docs[0]] and lay.lead == "Intro: "
+    assert lay.glue == [""] and lay.tail == long_docs[2] + "Which river?"
+    assert known.layout("nothing known here " * 10) is None
+    known.add("short")  # below MIN_DOCUMENT_CHARS: never indexed
+    assert known.find("short " * 30) == []

@@ -42,6 +42,8 @@ def test_openapi_documents_what_the_server_does():
     assert any(s.get("maximum") == 1 for s in sampling["n"]["anyOf"])
     assert any(s.get("pattern") == SELECTION_PATTERN for s in sampling["selection"]["anyOf"])
     assert any(s.get("maximum") == 1 for s in schemas["CompletionRequest"]["properties"]["best_of"]["anyOf"])
+    assert schemas["ChunksRequest"]["properties"]["documents"]["maxItems"] == 256  # max_documents
+    assert schemas["MessagesRequest"]["properties"]["model"]["enum"] == ["fake"]  # the served ids
 
 
 _CLIENT = make_client(_engine())

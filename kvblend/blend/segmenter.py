@@ -12,7 +12,8 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvblend.blend.layouts import split_context
+from kvblend.blend.known_docs import KnownDocuments
+from kvblend.blend.layouts import Layout, split_context
 
 # Separator appended to each chunk's text, so chunks concatenate with no template glue between them.
 CHUNK_SEPARATOR = "\n\n"
@@ -55,6 +56,13 @@ CHUNK_IDS_CACHE_SIZE = 8192  # documents remembered per tokenizer (a few KB of i
 _chunk_ids: "weakref.WeakKeyDictionary[object, OrderedDict[str, tuple[int, ...]]]" = \
     weakref.WeakKeyDictionary()
 _chunk_ids_lock = threading.Lock()
+_known: "weakref.WeakKeyDictionary[object, KnownDocuments]" = weakref.WeakKeyDictionary()
+
+
+def known_documents(tokenizer) -> KnownDocuments:
+    """The documents cached as chunks with ``tokenizer`` (``encode_chunk`` adds them)."""
+    with _chunk_ids_lock:
+        return _known.setdefault(tokenizer, KnownDocuments())
 
 
 def encode_chunk(tokenizer, text: str) -> list[int]:
@@ -67,6 +75,7 @@ def encode_chunk(tokenizer, text: str) -> list[int]:
             cache.move_to_end(text)
             return list(ids)
     ids = tuple(encode(tokenizer, text))
+    known_documents(tokenizer).add(text)
     with _chunk_ids_lock:
         cache[text] = ids
         if len(cache) > CHUNK_IDS_CACHE_SIZE:
@@ -153,13 +162,14 @@ def build_completion_segments(tokenizer, prompt: str | list[int], documents: lis
     [prompt pieces]. A text prompt is auto-segmented like a plain chat message, so blank-line-joined
     documents hit the cache; a prompt of token ids is the query as is."""
     prefix = list(tokenizer.encode("", add_special_tokens=True))  # BOS for Llama-style tokenizers, else []
-    chunks = [encode_chunk(tokenizer, c) for c in canonical_chunks(documents)]
     if isinstance(prompt, list):
+        chunks = [encode_chunk(tokenizer, c) for c in canonical_chunks(documents)]
         return Segments(prefix_ids=prefix, chunk_ids=chunks, query_ids=list(prompt))
-    layout = split_context(prompt, "user")
-    chunks += [encode_chunk(tokenizer, c) for c in canonical_chunks(layout.documents)]
-    return Segments(prefix_ids=prefix + encode(tokenizer, layout.lead),
-                    chunk_ids=[c for c in chunks if c], query_ids=encode(tokenizer, layout.tail))
+    items = [(True, c) for c in canonical_chunks(documents)]
+    items += _layout_items(_find_documents(tokenizer, prompt, "user"))
+    segs = _segments_from_items(tokenizer, items, 0)  # no document: the prompt is the query
+    segs.prefix_ids = prefix + segs.prefix_ids
+    return segs
 
 
 # --- chat messages as frameworks send them -----------------------------------------------------
@@ -221,16 +231,27 @@ def build_segments_from_messages(tokenizer, messages: list[dict],
         items.append((False, glue[i]))
         if i == last:
             user_start = len(items)
-            items += _user_items(m.get("content"), documents)
+            items += _user_items(tokenizer, m.get("content"), documents)
         elif i == 0 and roles[0] == "system":
-            items += _layout_items(split_context(content_text(m.get("content")), "system"))
+            system = content_text(m.get("content"))
+            items += _layout_items(_find_documents(tokenizer, system, "system"))
         else:
             items.append((False, content_text(m.get("content"))))
     items.append((False, glue[-1]))
     return _segments_from_items(tokenizer, items, user_start)
 
 
-def _user_items(content, documents: list[str] | None) -> list[tuple[bool, str]]:
+def _find_documents(tokenizer, text: str, role: str) -> Layout:
+    """``split_context``; where it finds at most one document, the documents already cached."""
+    layout = split_context(text, role)
+    if len(layout.documents) <= 1:
+        known = known_documents(tokenizer).layout(text)
+        if known is not None and len(known.documents) > len(layout.documents):
+            return known
+    return layout
+
+
+def _user_items(tokenizer, content, documents: list[str] | None) -> list[tuple[bool, str]]:
     if documents:
         return [(True, c) for c in canonical_chunks(documents)] + [(False, content_text(content))]
     if isinstance(content, list) and len(content) > 1:
@@ -238,7 +259,7 @@ def _user_items(content, documents: list[str] | None) -> list[tuple[bool, str]]:
         if len(parts) > 1:
             return [(True, c) for c in canonical_chunks(parts[:-1])] + [(False, parts[-1])]
         content = parts
-    return _layout_items(split_context(content_text(content), "user"))
+    return _layout_items(_find_documents(tokenizer, content_text(content), "user"))
 
 
 def _layout_items(layout) -> list[tuple[bool, str]]:

@@ -53,6 +53,7 @@ def _schema(app) -> dict:
                 _add_model(components, model)
         components["AnthropicError"] = _ANTHROPIC_ERROR
         _enumerate_models(components, sorted(app.state.kvblend.by_id))
+        _limit_documents(components, app.state.kvblend.config.max_documents)
         schema["components"]["securitySchemes"] = {
             "bearerAuth": {"type": "http", "scheme": "bearer"},
             "apiKeyHeader": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
@@ -77,6 +78,15 @@ def _enumerate_models(components: dict, model_ids: list[str]) -> None:
         else:
             prop.pop("minLength", None)
             prop.update(type="string", enum=model_ids)
+
+
+def _limit_documents(components: dict, max_documents: int) -> None:
+    """``documents``: at most ``max_documents`` (the server's limit, not the model's static one)."""
+    for name in ("ChatCompletionRequest", "CompletionRequest", "ChunksRequest", "MessagesRequest"):
+        prop = components.get(name, {}).get("properties", {}).get("documents")
+        for option in (prop or {}).get("anyOf", [prop] if prop else []):
+            if option.get("type") == "array":
+                option["maxItems"] = min(option.get("maxItems", max_documents), max_documents)
 
 
 def _add_model(components: dict, model) -> None:
