@@ -12,9 +12,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,7 +24,7 @@ from kvblend.server import errors
 from kvblend.server.auth import Authenticator, Principal
 from kvblend.server.backends import Backend, Delta, Final, GenerationJob, document_id
 from kvblend.server.factory import create_backends, create_store
-from kvblend.server.limits import has_valid_key, install_gate
+from kvblend.server.limits import has_valid_key, install_gate, until_disconnect
 from kvblend.server.openapi import install_openapi
 from kvblend.server.anthropic import anthropic_router
 from kvblend.server import unsupported
@@ -40,7 +40,6 @@ from kvblend.server.schemas import (
 from kvblend.server.upstream import upstream_for, upstream_health
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 ERROR_RESPONSES: dict = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 500, 503)}
 _KNOWN_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/chunks", "/v1/messages", "/health",
@@ -200,7 +199,7 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
         docs = [_document(d) for d in body.documents]
         if any(not d.text for d in docs):
             raise errors.invalid_request("documents must have non-empty text.", "documents")
-        infos = await _until_disconnect(request, backend.precompute([d.text for d in docs], principal.namespace))
+        infos = await until_disconnect(request, backend.precompute([d.text for d in docs], principal.namespace))
         data = [ChunkInfo(id=d.id or document_id(d.text), num_tokens=int(i["num_tokens"]),
                           cached=bool(i.get("cached", False)), key=i.get("key")) for d, i in zip(docs, infos)]
         total = sum(c.num_tokens for c in data)
@@ -264,33 +263,10 @@ def _card(b: Backend) -> ModelCard:
 
 # --- responding ----------------------------------------------------------------------------------
 
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` unless the client hangs up first; then cancel it (which cancels the generation)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        raise errors.APIError(499, "client disconnected", "invalid_request_error", None, "client_closed_request")
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 async def _respond(request: Request, state: ServerState, backend: Backend, job: GenerationJob, stream: bool | None,
                    include_usage: bool, fmt: "_ChatFormat | _CompletionFormat") -> Response:
     timer = state.metrics.timer(backend.id, time.perf_counter())
-    gen = await _until_disconnect(request, backend.open(job))
+    gen = await until_disconnect(request, backend.open(job))
     timer.first_token(job.queue_s)  # open() returns once the first token exists
     headers = warn(state, backend.id, gen)
     if stream:
@@ -309,7 +285,7 @@ async def _respond(request: Request, state: ServerState, backend: Backend, job: 
             _finish_cut(timer, gen)
         raise errors.internal_error()
 
-    final = await _until_disconnect(request, collect())
+    final = await until_disconnect(request, collect())
     return JSONResponse(fmt.full(final), headers=headers)
 
 
