@@ -427,7 +427,8 @@ def _build_and_load(spec: KernelSpec, out_dir: Path, head_dim: int = HEAD_DIM) -
     flags = cpu_flags()
     missing = [f for f in spec.cpu_flags if f not in flags]
     if missing:
-        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)} (needed by the {spec.name} kernel)", "cpu")
+        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)} (needed by the {spec.name} kernel)",
+                                "cpu")
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if cc is None:
         raise KernelUnavailable(f"no C compiler (gcc) on PATH to build the {spec.name} kernel", "compiler")
@@ -445,7 +446,8 @@ def build_path(spec: KernelSpec, out_dir: Path, head_dim: int, cc: str) -> Path:
     ``.failed``): keyed by the source and the headers it includes, the flags, the compiler's path and its
     version, so an edited source or another compiler builds (and checks) afresh."""
     source_path = Path(__file__).with_name(spec.source)
-    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
+    headers = sorted(source_path.parent.glob("*.h"))  # what it includes is part of what is built
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in headers)
     key = b"\0".join([source, " ".join(build_flags(spec, head_dim)).encode(), cc.encode(),
                        compiler_version(cc).encode()])
     return out_dir / f"{spec.name}-d{head_dim}-{hashlib.sha256(key).hexdigest()[:16]}.so"
@@ -486,7 +488,8 @@ def _self_check(lib_path: str, spec: KernelSpec, head_dim: int = HEAD_DIM) -> tu
     package_root = str(Path(__file__).resolve().parents[2])  # importable even when not pip-installed
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     try:
-        proc = subprocess.run([sys.executable, "-m", "kvblend.kernels.selfcheck", lib_path, spec.name, str(head_dim)],
+        proc = subprocess.run([sys.executable, "-m", "kvblend.kernels.selfcheck", lib_path, spec.name,
+                               str(head_dim)],
                               capture_output=True, text=True, timeout=300, env=env)
     except subprocess.TimeoutExpired:
         return "it did not finish within 300 s", False
@@ -504,8 +507,8 @@ def open_library(path: Path, spec: KernelSpec, head_dim: int = HEAD_DIM) -> Rows
     lib = ctypes.CDLL(str(path))
     _declare(lib, spec.init_symbol)
     if spec.init_symbol is not None and getattr(lib, spec.init_symbol)() != 0:
-        raise KernelUnavailable(f"the OS refused the {spec.name} kernel's CPU state to this process (arch_prctl)",
-                                "os")
+        raise KernelUnavailable(f"the OS refused the {spec.name} kernel's CPU state to this process "
+                                "(arch_prctl)", "os")
     return RowsAttention(lib, Path(path), spec, head_dim)
 
 
