@@ -31,7 +31,8 @@ from kvblend.engine.request import (GenerationRequest, GenerationResult, Prefill
                                     TokenEvent)
 from kvblend.engine.sampler import create_generator, sample, token_logprobs
 from kvblend.models.loader import EMBEDDED_MODEL_ID, LoadedModel, load_model
-from kvblend.kernels import KERNELS_BY_NAME, KernelUnavailable, dtype_name, kernels_for, select_rows_attention
+from kvblend.kernels import (KERNELS_BY_NAME, KernelUnavailable, dtype_name, kernels_for,
+                             select_rows_attention)
 from kvblend.models.transformer import TransformerOps
 from kvblend.engine.kv_loader import LayerwiseLoader, load_sync
 from kvblend.store.base import ChunkKV, KVStore
@@ -677,14 +678,15 @@ def _rows_attention_kernel(cfg, loaded: LoadedModel):
     named = None if cfg.attention_kernel == "auto" else KERNELS_BY_NAME[cfg.attention_kernel]
     error = None
     if cfg.device != "cpu" or not kernels_for(dtype):
-        error = KernelUnavailable(f"the native kernels run bfloat16 or float32 on the CPU (this engine: {cfg.dtype} "
-                                  f"on {cfg.device})", "shape")
+        error = KernelUnavailable(f"the native kernels run bfloat16 or float32 on the CPU (this engine: "
+                                  f"{cfg.dtype} on {cfg.device})", "shape")
     elif named is not None and named.dtype != dtype:
-        error = KernelUnavailable(f"it runs {dtype_name(named.dtype)} only (this engine: {cfg.dtype})", "shape")
+        error = KernelUnavailable(f"it runs {dtype_name(named.dtype)} only (this engine: {cfg.dtype})",
+                                  "shape")
     else:
         try:
-            kernel, passed_over = select_rows_attention(cfg.cache_dir, dtype, None if named is None else named.name,
-                                                        head_dim)
+            kernel, passed_over = select_rows_attention(cfg.cache_dir, dtype,
+                                                        None if named is None else named.name, head_dim)
             if passed_over is None:
                 return kernel, None
             log.warning("attention uses the %s kernel, not a faster build: %s", kernel.name, passed_over)

@@ -449,7 +449,8 @@ def build_path(spec: KernelSpec, out_dir: Path, head_dim: int, cc: str) -> Path:
     ``.failed``): keyed by the source and the headers it includes, the flags, the compiler's path and its
     version, so an edited source or another compiler builds (and checks) afresh."""
     source_path = Path(__file__).with_name(spec.source)
-    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
+    headers = sorted(source_path.parent.glob("*.h"))  # what it includes is part of what is built
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in headers)
     key = b"\0".join([source, " ".join(build_flags(spec, head_dim)).encode(), cc.encode(),
                        compiler_version(cc).encode()])
     return out_dir / f"{spec.name}-d{head_dim}-{hashlib.sha256(key).hexdigest()[:16]}.so"
@@ -506,8 +507,8 @@ def open_library(path: Path, spec: KernelSpec, head_dim: int = HEAD_DIM) -> Rows
     lib = ctypes.CDLL(str(path))
     _declare(lib, spec.init_symbol)
     if spec.init_symbol is not None and getattr(lib, spec.init_symbol)() != 0:
-        raise KernelUnavailable(f"the OS refused the {spec.name} kernel's CPU state to this process (arch_prctl)",
-                                "os")
+        raise KernelUnavailable(f"the OS refused the {spec.name} kernel's CPU state to this process "
+                                "(arch_prctl)", "os")
     return RowsAttention(lib, Path(path), spec, head_dim)
 
 

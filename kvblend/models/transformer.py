@@ -126,8 +126,9 @@ class TransformerOps:
         The native kernel reads the cache in place where it takes the tensors (a bf16 build of this head size,
         dense rows), else SDPA."""
         kernel, d = self.rows_attention, self.head_dim
+        dense = q.stride(-1) == 1 and all(t.stride(-1) == 1 and t.stride(-2) == d for t in (k, v))
         if kernel is not None and kernel.has_decode and q.dtype == kernel.dtype and q.device.type == "cpu" and \
-                kernel.head_dim == d and q.stride(-1) == 1 and all(t.stride(-1) == 1 and t.stride(-2) == d for t in (k, v)):
+                kernel.head_dim == d and dense:
             return kernel.decode_attention(q, k, v, self.scaling, torch.get_num_threads())
         return self.attend(q[:, None], k, v, mask=None, causal=False)
 

@@ -138,8 +138,9 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
         detailed = has_valid_key(state, request)
         upstreams = await upstream_health(state.by_id.values(), detailed) or None
         degraded = any(not u.get("reachable") for u in (upstreams or {}).values())
+        engines = {i: getattr(b, "engine", None) for i, b in state.by_id.items()}  # local models only
         attention = {i: {"kernel": e.attention_kernel, "reason": getattr(e, "attention_kernel_reason", None)}
-                     for i, b in state.by_id.items() if hasattr(e := getattr(b, "engine", None), "attention_kernel")}
+                     for i, e in engines.items() if hasattr(e, "attention_kernel")}
         return Health(status="degraded" if degraded else "ok", models=list(state.by_id), upstreams=upstreams,
                       attention=attention or None)
 
