@@ -13,7 +13,8 @@ import pytest
 
 from engine_fixtures import INSTRUCTION, embedded_engine, musique_docs
 from kvblend.bench import calibrate
-from kvblend.engine.fidelity import FAMILY_DEFAULTS, Calibration, CalibrationPoint, FidelityController
+from kvblend.engine.fidelity import (FAMILY_DEFAULTS, Calibration, CalibrationPoint, FidelityController,
+                                     prompts_needed)
 from kvblend.engine.request import GenerationRequest, SamplingParams
 
 
@@ -30,9 +31,15 @@ def test_choose_fastest_setting_meeting_target_else_full():
     assert (ctl.choose(0.8).selection, ctl.choose(0.8).ratio) == ("deviation", 0.15)  # fastest that meets
     assert (ctl.choose(0.9).selection, ctl.choose(0.9).ratio) == ("lookahead", 0.15)
     assert ctl.choose(0.9).source == "calibration"
-    unreachable = ctl.choose(0.99)
+    assert (ctl.choose(0.95).selection, ctl.choose(0.95).ratio) == ("lookahead", 0.5)
+    capped = _calibration()
+    capped.points = capped.points[:2]  # nothing above 0.9
+    unreachable = FidelityController(capped).choose(0.95)
     assert unreachable.mode == "full" and unreachable.ratio == 1.0
-    assert unreachable.source.startswith("fallback: no blend setting reached 0.99")
+    assert unreachable.source.startswith("fallback: no blend setting reached 0.95")
+    unresolved = ctl.choose(0.99)  # 20 prompts cannot tell 0.99 from 0.95
+    assert unresolved.mode == "full" and "needs >= 100 measured prompts" in unresolved.source
+    assert (prompts_needed(0.9), prompts_needed(0.95), prompts_needed(1.0) > 10**6) == (10, 20, True)
     nothing = FidelityController(None).choose(0.5)
     assert nothing.mode == "full" and "no calibration" in nothing.source
 
@@ -105,8 +112,10 @@ def test_shadow_full_prefill_records_agreement(engine_with_calibration):
 
 def test_calibrate_cli_writes_a_calibration_the_engine_reads(tmp_path, capsys):
     out = tmp_path / "cal.json"
-    args = argparse.Namespace(model="", dtype="float32", threads=2, device="cpu", data="musique", examples=1,
-                              ratios="0.5,1.0", selections="deviation", targets="0.5", seed=0, out=str(out))
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    args = parser.parse_args(["--dtype", "float32", "--threads", "2", "--examples", "1", "--ratios", "0.5,1.0",
+                              "--selections", "deviation", "--targets", "0.5", "--out", str(out)])
     assert calibrate.run(args) == 0
     cal = Calibration.load(out)
     assert [(p.selection, p.ratio, p.n) for p in cal.points] == [("deviation", 0.5, 1), ("deviation", 1.0, 1)]
