@@ -77,7 +77,7 @@ class LayerRecorder:
 def chunk_starts_mask(p: oracle.Prompt, count: int) -> torch.Tensor:
     mask = torch.zeros(p.num_tokens, dtype=torch.bool)
     for start, end in p.chunk_spans:
-        mask[start:min(end, start + count)] = True
+        mask[start : min(end, start + count)] = True
     return mask
 
 
@@ -89,7 +89,9 @@ def layer_error(p: oracle.Prompt, starts: torch.Tensor) -> dict:
     for name, rows in (("starts", chunk & starts), ("rest", chunk & ~starts)):
         for kind, full, stored in (("k", p.full_k, p.stored_k), ("v", p.full_v, p.stored_v)):
             f, s = full[:, :, rows].float(), stored[:, :, rows].float()  # [L, Hkv, R, d]
-            err = (s - f).pow(2).sum(dim=(1, 2, 3)).sqrt() / f.pow(2).sum(dim=(1, 2, 3)).sqrt().clamp_min(1e-9)
+            err = (s - f).pow(2).sum(dim=(1, 2, 3)).sqrt() / f.pow(2).sum(
+                dim=(1, 2, 3)
+            ).sqrt().clamp_min(1e-9)
             out[f"{kind}_{name}"] = [round(x, 4) for x in err.tolist()]
     return out
 
@@ -98,8 +100,11 @@ def query_reads(p: oracle.Prompt, exact: bool, starts: torch.Tensor) -> tuple[di
     """Per layer shares of the query's attention, and the [chunk rows] total over layers."""
     with LayerRecorder() as rec:
         total = p.query_attention(exact=exact)
-    groups = {"prefix": torch.zeros(p.num_tokens, dtype=torch.bool), "query": torch.zeros_like(starts)}
-    groups["prefix"][:p.prefix_len] = True
+    groups = {
+        "prefix": torch.zeros(p.num_tokens, dtype=torch.bool),
+        "query": torch.zeros_like(starts),
+    }
+    groups["prefix"][: p.prefix_len] = True
     groups["query"][p.query_rows] = True
     chunk = ~(groups["prefix"] | groups["query"])
     groups["chunk_starts"], groups["chunk_rest"] = chunk & starts, chunk & ~starts
@@ -123,13 +128,17 @@ def scaled_stored_k(p: oracle.Prompt, scale: float) -> torch.Tensor:
     return k
 
 
-def extra_logits(p: oracle.Prompt, variant: str, num_keep: int, reuse_attn: torch.Tensor) -> torch.Tensor:
+def extra_logits(
+    p: oracle.Prompt, variant: str, num_keep: int, reuse_attn: torch.Tensor
+) -> torch.Tensor:
     rows = p.chunk_rows
     chosen = rows[select_top_tokens(reuse_attn, num_keep)]
     if variant.startswith("lookahead+temp"):
         scale = float(variant.removeprefix("lookahead+temp"))
         active = torch.unique(torch.cat([p.query_rows, chosen]))
-        return p.run(scaled_stored_k(p, scale), p.stored_v.clone(), p.stored_mask, active).last_logits
+        return p.run(
+            scaled_stored_k(p, scale), p.stored_v.clone(), p.stored_mask, active
+        ).last_logits
     if variant == "wide":
         wide = rows[select_top_tokens(reuse_attn, min(rows.numel(), 2 * num_keep))]
         middle = p.ops.num_layers // 2
@@ -137,8 +146,9 @@ def extra_logits(p: oracle.Prompt, variant: str, num_keep: int, reuse_attn: torc
     raise ValueError(variant)
 
 
-def run_variants(p, ratios, variants, extras, gen, reuse_attn, full_attn, screen_only=(),
-                 screen_ratio=0.15) -> dict:
+def run_variants(
+    p, ratios, variants, extras, gen, reuse_attn, full_attn, screen_only=(), screen_ratio=0.15
+) -> dict:
     """Each variant at each ratio, except ``screen_only`` ones (and the extras): at ``screen_ratio`` only."""
     out = {}
     for r in ratios:
@@ -152,15 +162,20 @@ def run_variants(p, ratios, variants, extras, gen, reuse_attn, full_attn, screen
             out[f"{v}@{r:g}"] = score(p, logits, time.perf_counter() - t0)
         for v in extras if r == screen_ratio else ():
             t0 = time.perf_counter()
-            out[f"{v}@{r:g}"] = score(p, extra_logits(p, v, num_keep, reuse_attn), time.perf_counter() - t0)
+            out[f"{v}@{r:g}"] = score(
+                p, extra_logits(p, v, num_keep, reuse_attn), time.perf_counter() - t0
+            )
     reuse = p.run(p.stored_k.clone(), p.stored_v.clone(), p.stored_mask, p.query_rows).last_logits
     out["reuse"] = score(p, reuse, 0.0)
     return out
 
 
 def score(p: oracle.Prompt, logits: torch.Tensor, seconds: float) -> dict:
-    return {"agree": float(int(logits.argmax()) == int(p.full_logits.argmax())),
-            "kl": round(first_token_kl(p.full_logits, logits), 5), "s": round(seconds, 2)}
+    return {
+        "agree": float(int(logits.argmax()) == int(p.full_logits.argmax())),
+        "kl": round(first_token_kl(p.full_logits, logits), 5),
+        "s": round(seconds, 2),
+    }
 
 
 def context_variant(engine, segs, p: oracle.Prompt, ratio: float) -> dict:
@@ -176,12 +191,20 @@ def context_variant(engine, segs, p: oracle.Prompt, ratio: float) -> dict:
             k[:, :, start:end], v[:, :, start:end] = kv.k, kv.v
     finally:
         engine.chunk_context_ids = saved
-    out = {"ctxprefix-reuse": score(p, p.run(k.clone(), v.clone(), p.stored_mask, p.query_rows).last_logits, 0)}
-    attn = p.run(k.clone(), v.clone(), p.stored_mask, p.query_rows, record_query_attention=True).query_attention
+    out = {
+        "ctxprefix-reuse": score(
+            p, p.run(k.clone(), v.clone(), p.stored_mask, p.query_rows).last_logits, 0
+        )
+    }
+    attn = p.run(
+        k.clone(), v.clone(), p.stored_mask, p.query_rows, record_query_attention=True
+    ).query_attention
     num_keep = num_to_keep(ratio, p.chunk_rows.numel())
     chosen = p.chunk_rows[select_top_tokens(attn[p.chunk_rows], num_keep)]
     active = torch.unique(torch.cat([p.query_rows, chosen]))
-    out[f"ctxprefix-lookahead@{ratio:g}"] = score(p, p.run(k, v, p.stored_mask, active).last_logits, 0)
+    out[f"ctxprefix-lookahead@{ratio:g}"] = score(
+        p, p.run(k, v, p.stored_mask, active).last_logits, 0
+    )
     return out
 
 
@@ -190,9 +213,12 @@ def summarize(per_example: list[dict]) -> dict:
     table = {}
     for k in keys:
         rows = [ex["variants"][k] for ex in per_example if k in ex["variants"]]
-        table[k] = {"agreement": round(statistics.fmean(r["agree"] for r in rows), 3),
-                    "kl_mean": round(statistics.fmean(r["kl"] for r in rows), 4),
-                    "kl_median": round(statistics.median(r["kl"] for r in rows), 4), "n": len(rows)}
+        table[k] = {
+            "agreement": round(statistics.fmean(r["agree"] for r in rows), 3),
+            "kl_mean": round(statistics.fmean(r["kl"] for r in rows), 4),
+            "kl_median": round(statistics.median(r["kl"] for r in rows), 4),
+            "n": len(rows),
+        }
     for k in [k for k in per_example[0]["variants"] if k.startswith("recall")]:
         table[k] = round(statistics.fmean(ex["variants"][k] for ex in per_example), 3)
     return table
@@ -200,8 +226,10 @@ def summarize(per_example: list[dict]) -> dict:
 
 def mean_curves(per_example: list[dict], field: str) -> dict:
     names = per_example[0][field].keys()
-    return {n: [round(statistics.fmean(vals), 4) for vals in zip(*(ex[field][n] for ex in per_example))]
-            for n in names}
+    return {
+        n: [round(statistics.fmean(vals), 4) for vals in zip(*(ex[field][n] for ex in per_example))]
+        for n in names
+    }
 
 
 def main() -> int:
@@ -213,10 +241,15 @@ def main() -> int:
     ap.add_argument("--ratios", default="0.1,0.15,0.3")
     ap.add_argument("--variants", default=",".join(BASE_VARIANTS) + ",starts4+lookahead")
     ap.add_argument("--extras", default="lookahead+temp0.9,lookahead+temp1.1,wide")
-    ap.add_argument("--screen-only", default="deviation,oracle-dev,starts4+lookahead",
-                    help="variants run at --screen-ratio only (the rest at every ratio)")
+    ap.add_argument(
+        "--screen-only",
+        default="deviation,oracle-dev,starts4+lookahead",
+        help="variants run at --screen-ratio only (the rest at every ratio)",
+    )
     ap.add_argument("--screen-ratio", type=float, default=0.15)
-    ap.add_argument("--context-variant", action="store_true", help="also chunks behind the whole prefix")
+    ap.add_argument(
+        "--context-variant", action="store_true", help="also chunks behind the whole prefix"
+    )
     ap.add_argument("--starts", type=int, default=4, help="chunk-initial rows per chunk")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -224,8 +257,11 @@ def main() -> int:
     variants = [v for v in args.variants.split(",") if v]
     extras = [v for v in args.extras.split(",") if v]
     # PyTorch attention: the recorder then sees every layer (the native kernels add key mass in place)
-    engine = create_engine(EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype,
-                                                          attention_kernel="torch")))
+    engine = create_engine(
+        EngineConfig(
+            model=ModelConfig(model=args.model, dtype=args.dtype, attention_kernel="torch")
+        )
+    )
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
     per_example = []
     with torch.inference_mode():
@@ -238,16 +274,35 @@ def main() -> int:
             starts = chunk_starts_mask(p, args.starts)
             reads_full, full_attn = query_reads(p, True, starts)
             reads_reuse, reuse_attn = query_reads(p, False, starts)
-            row = {"tokens": p.num_tokens, "layer_error": layer_error(p, starts),
-                   "query_reads_full": reads_full, "query_reads_reuse": reads_reuse,
-                   "variants": run_variants(p, ratios, variants, extras, gen, reuse_attn, full_attn,
-                                            set(args.screen_only.split(",")), args.screen_ratio)}
+            row = {
+                "tokens": p.num_tokens,
+                "layer_error": layer_error(p, starts),
+                "query_reads_full": reads_full,
+                "query_reads_reuse": reads_reuse,
+                "variants": run_variants(
+                    p,
+                    ratios,
+                    variants,
+                    extras,
+                    gen,
+                    reuse_attn,
+                    full_attn,
+                    set(args.screen_only.split(",")),
+                    args.screen_ratio,
+                ),
+            }
             if args.context_variant:
                 row["variants"].update(context_variant(engine, segs, p, 0.15))
             per_example.append(row)
-            print(f"example {index} ({p.num_tokens} tokens): " + ", ".join(
-                f"{k} {v['agree']:.0f}/{v['kl']:.3f}" for k, v in row["variants"].items() if isinstance(v, dict)),
-                flush=True)
+            print(
+                f"example {index} ({p.num_tokens} tokens): "
+                + ", ".join(
+                    f"{k} {v['agree']:.0f}/{v['kl']:.3f}"
+                    for k, v in row["variants"].items()
+                    if isinstance(v, dict)
+                ),
+                flush=True,
+            )
             write(args, engine, per_example)
     for k, v in summarize(per_example).items():
         print(k, v)
@@ -255,14 +310,26 @@ def main() -> int:
 
 
 def write(args, engine, per_example: list[dict]) -> None:
-    result = {"script": "diagnose_blend", "model": engine.model_id, "dtype": args.dtype, "data": args.data,
-              "examples": len(per_example), "starts": args.starts, "summary": summarize(per_example),
-              "layer_error_mean": {k: [round(statistics.fmean(x), 4) for x in zip(*(ex["layer_error"][k]
-                                                                                  for ex in per_example))]
-                                   for k in per_example[0]["layer_error"]},
-              "query_reads_full_mean": mean_curves(per_example, "query_reads_full"),
-              "query_reads_reuse_mean": mean_curves(per_example, "query_reads_reuse"),
-              "per_example": per_example, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    result = {
+        "script": "diagnose_blend",
+        "model": engine.model_id,
+        "dtype": args.dtype,
+        "data": args.data,
+        "examples": len(per_example),
+        "starts": args.starts,
+        "summary": summarize(per_example),
+        "layer_error_mean": {
+            k: [
+                round(statistics.fmean(x), 4)
+                for x in zip(*(ex["layer_error"][k] for ex in per_example))
+            ]
+            for k in per_example[0]["layer_error"]
+        },
+        "query_reads_full_mean": mean_curves(per_example, "query_reads_full"),
+        "query_reads_reuse_mean": mean_curves(per_example, "query_reads_reuse"),
+        "per_example": per_example,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 

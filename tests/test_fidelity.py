@@ -13,26 +13,51 @@ import pytest
 
 from engine_fixtures import INSTRUCTION, embedded_engine, musique_docs
 from kvblend.bench import calibrate
-from kvblend.engine.fidelity import FAMILY_DEFAULTS, Calibration, CalibrationPoint, FidelityController
+from kvblend.engine.fidelity import (
+    FAMILY_DEFAULTS,
+    Calibration,
+    CalibrationPoint,
+    FidelityController,
+    prompts_needed,
+)
 from kvblend.engine.request import GenerationRequest, SamplingParams
 
 
 def _calibration(fingerprint: str = "fp", dtype: str = "float32") -> Calibration:
-    return Calibration("m", fingerprint, dtype, "musique", [
-        CalibrationPoint("deviation", 0.15, 20, 0.85, 0.15, 4.3),
-        CalibrationPoint("lookahead", 0.15, 20, 0.90, 0.04, 3.5),
-        CalibrationPoint("lookahead", 0.5, 20, 0.95, 0.01, 1.8),
-    ])
+    return Calibration(
+        "m",
+        fingerprint,
+        dtype,
+        "musique",
+        [
+            CalibrationPoint("deviation", 0.15, 20, 0.85, 0.15, 4.3),
+            CalibrationPoint("lookahead", 0.15, 20, 0.90, 0.04, 3.5),
+            CalibrationPoint("lookahead", 0.5, 20, 0.95, 0.01, 1.8),
+        ],
+    )
 
 
 def test_choose_fastest_setting_meeting_target_else_full():
     ctl = FidelityController(_calibration())
-    assert (ctl.choose(0.8).selection, ctl.choose(0.8).ratio) == ("deviation", 0.15)  # fastest that meets
+    assert (ctl.choose(0.8).selection, ctl.choose(0.8).ratio) == (
+        "deviation",
+        0.15,
+    )  # fastest that meets
     assert (ctl.choose(0.9).selection, ctl.choose(0.9).ratio) == ("lookahead", 0.15)
     assert ctl.choose(0.9).source == "calibration"
-    unreachable = ctl.choose(0.99)
+    assert (ctl.choose(0.95).selection, ctl.choose(0.95).ratio) == ("lookahead", 0.5)
+    capped = _calibration()
+    capped.points = capped.points[:2]  # nothing above 0.9
+    unreachable = FidelityController(capped).choose(0.95)
     assert unreachable.mode == "full" and unreachable.ratio == 1.0
-    assert unreachable.source.startswith("fallback: no blend setting reached 0.99")
+    assert unreachable.source.startswith("fallback: no blend setting reached 0.95")
+    unresolved = ctl.choose(0.99)  # 20 prompts cannot tell 0.99 from 0.95
+    assert unresolved.mode == "full" and "needs >= 100 measured prompts" in unresolved.source
+    assert (prompts_needed(0.9), prompts_needed(0.95), prompts_needed(1.0) > 10**6) == (
+        10,
+        20,
+        True,
+    )
     nothing = FidelityController(None).choose(0.5)
     assert nothing.mode == "full" and "no calibration" in nothing.source
 
@@ -49,8 +74,9 @@ def test_shadow_outcomes_move_the_choice():
 def test_calibration_roundtrip_and_corrupt_file(tmp_path):
     path = tmp_path / "c.json"
     _calibration().save(path)
-    assert Calibration.load(path) == _calibration().__class__(**{**_calibration().__dict__,
-                                                                 "measured_at": Calibration.load(path).measured_at})
+    assert Calibration.load(path) == _calibration().__class__(
+        **{**_calibration().__dict__, "measured_at": Calibration.load(path).measured_at}
+    )
     path.write_text("{not json")
     assert Calibration.load(path) is None
     assert Calibration.load(tmp_path / "missing.json") is None
@@ -78,8 +104,16 @@ def test_engine_runs_the_chosen_setting_and_falls_back_to_full(engine_with_calib
     engine.precompute(segs.chunk_ids)
     one = SamplingParams(max_tokens=1)
     res = engine.run(GenerationRequest(segs, one, fidelity=0.9))
-    assert (res.stats.mode, res.stats.recompute_ratio, res.stats.selection) == ("blend", 0.15, "lookahead")
-    assert res.stats.as_dict()["fidelity"] == {"target": 0.9, "expected_agreement": 0.9, "source": "calibration"}
+    assert (res.stats.mode, res.stats.recompute_ratio, res.stats.selection) == (
+        "blend",
+        0.15,
+        "lookahead",
+    )
+    assert res.stats.as_dict()["fidelity"] == {
+        "target": 0.9,
+        "expected_agreement": 0.9,
+        "source": "calibration",
+    }
     full = engine.run(GenerationRequest(segs, one, mode="full"))
     strict = engine.run(GenerationRequest(segs, one, fidelity=0.99))
     assert strict.stats.mode == "full" and strict.stats.fidelity["source"].startswith("fallback")
@@ -105,11 +139,32 @@ def test_shadow_full_prefill_records_agreement(engine_with_calibration):
 
 def test_calibrate_cli_writes_a_calibration_the_engine_reads(tmp_path, capsys):
     out = tmp_path / "cal.json"
-    args = argparse.Namespace(model="", dtype="float32", threads=2, device="cpu", data="musique", examples=1,
-                              ratios="0.5,1.0", selections="deviation", targets="0.5", seed=0, out=str(out))
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--dtype",
+            "float32",
+            "--threads",
+            "2",
+            "--examples",
+            "1",
+            "--ratios",
+            "0.5,1.0",
+            "--selections",
+            "deviation",
+            "--targets",
+            "0.5",
+            "--out",
+            str(out),
+        ]
+    )
     assert calibrate.run(args) == 0
     cal = Calibration.load(out)
-    assert [(p.selection, p.ratio, p.n) for p in cal.points] == [("deviation", 0.5, 1), ("deviation", 1.0, 1)]
+    assert [(p.selection, p.ratio, p.n) for p in cal.points] == [
+        ("deviation", 0.5, 1),
+        ("deviation", 1.0, 1),
+    ]
     assert cal.points[1].agreement == 1.0 and cal.points[1].kl < 1e-3  # ratio 1 is full prefill
     assert cal.fingerprint == embedded_engine("float32").fingerprint
     assert "fidelity 0.5 ->" in capsys.readouterr().out
@@ -119,20 +174,50 @@ def test_server_reports_fidelity_in_usage_and_metrics(kvblend_server_factory, tm
     engine = embedded_engine("float32")
     path = tmp_path / "cal.json"
     _calibration(engine.fingerprint, "float32").save(path)
-    server = kvblend_server_factory({"models": [{"id": "smol", "model": "", "dtype": "float32",
-                                                 "fidelity": 0.9, "calibration": str(path)}]})
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    server = kvblend_server_factory(
+        {
+            "models": [
+                {
+                    "id": "smol",
+                    "model": "",
+                    "dtype": "float32",
+                    "fidelity": 0.9,
+                    "calibration": str(path),
+                }
+            ]
+        }
+    )
+    client = openai.OpenAI(
+        base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120
+    )
     docs, question = musique_docs(2, 2)
-    resp = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": question}],
-                                          max_tokens=2, temperature=0, extra_body={"documents": docs})
+    resp = client.chat.completions.create(
+        model="smol",
+        messages=[{"role": "user", "content": question}],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"documents": docs},
+    )
     usage = resp.usage.model_extra["kvblend"]
-    assert (usage["mode"], usage["selection"], usage["fidelity"]["target"]) == ("blend", "lookahead", 0.9)
-    strict = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": question}],
-                                            max_tokens=1, extra_body={"documents": docs, "fidelity": 0.99})
+    assert (usage["mode"], usage["selection"], usage["fidelity"]["target"]) == (
+        "blend",
+        "lookahead",
+        0.9,
+    )
+    strict = client.chat.completions.create(
+        model="smol",
+        messages=[{"role": "user", "content": question}],
+        max_tokens=1,
+        extra_body={"documents": docs, "fidelity": 0.99},
+    )
     assert strict.usage.model_extra["kvblend"]["mode"] == "full"
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="smol", messages=[{"role": "user", "content": question}],
-                                       max_tokens=1, extra_body={"fidelity": 0})
+        client.chat.completions.create(
+            model="smol",
+            messages=[{"role": "user", "content": question}],
+            max_tokens=1,
+            extra_body={"fidelity": 0},
+        )
     metrics = httpx.get(server.base_url + "/metrics").text
     assert 'kvblend_fidelity_agreement{model="smol",source="calibration"} 0.9' in metrics
     assert json.loads(Path(path).read_text())["fingerprint"] == engine.fingerprint
@@ -147,5 +232,7 @@ def test_auto_selection_takes_the_family_default(engine_with_calibration):
     assert engine.loaded.model_type == "llama"
     auto = engine.run(GenerationRequest(segs, one, mode="blend", selection="auto")).stats
     assert (auto.selection, auto.recompute_ratio) == FAMILY_DEFAULTS["llama"]
-    own_ratio = engine.run(GenerationRequest(segs, one, mode="blend", selection="auto", recompute_ratio=0.3)).stats
+    own_ratio = engine.run(
+        GenerationRequest(segs, one, mode="blend", selection="auto", recompute_ratio=0.3)
+    ).stats
     assert (own_ratio.selection, own_ratio.recompute_ratio) == ("lookahead", 0.3)

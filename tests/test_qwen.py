@@ -1,4 +1,5 @@
-"""Qwen2 on real weights (Qwen2.5-Coder-0.5B-Instruct Q4_K_M, fetched by `make qwen`): slow, so few."""
+"""Qwen2 on real weights (Qwen2.5-Coder-0.5B / 1.5B-Instruct Q4_K_M, fetched by `make qwen` /
+`make qwen-1.5b`): slow, so few."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from kvblend.engine.request import GenerationRequest, SamplingParams
 
 QWEN = Path(os.path.expanduser("~/.cache/kvblend/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not QWEN.is_file(), reason=f"{QWEN} missing: run `make qwen`")]
+pytestmark = pytest.mark.slow
 
 
+@pytest.mark.skipif(not QWEN.is_file(), reason=f"{QWEN} missing: run `make qwen`")
 def test_qwen2_blend_one_equals_full_and_greedy_matches_transformers():
     engine = create_engine(EngineConfig(model=ModelConfig(model=str(QWEN), dtype="float32", num_threads=2)))
     assert engine.loaded.model_type == "qwen2"

@@ -19,22 +19,41 @@ DEFAULT_SELECTIONS = "deviation,lookahead"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="", help="HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default="", help="HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    p.add_argument("--data", default="musique", help="musique (default), hotpotqa or a .json / .jsonl path")
+    p.add_argument(
+        "--data", default="musique", help="musique (default), hotpotqa or a .json / .jsonl path"
+    )
     p.add_argument("--examples", type=int, default=12, help="prompts (default 12)")
-    p.add_argument("--ratios", default=DEFAULT_RATIOS, help=f"blend ratios (default {DEFAULT_RATIOS})")
-    p.add_argument("--selections", default=DEFAULT_SELECTIONS,
-                   help=f"token selections (default {DEFAULT_SELECTIONS}; lookahead:N allowed)")
-    p.add_argument("--targets", default="0.8,0.9,0.95", help="fidelity targets to show the choice for")
+    p.add_argument(
+        "--ratios", default=DEFAULT_RATIOS, help=f"blend ratios (default {DEFAULT_RATIOS})"
+    )
+    p.add_argument(
+        "--selections",
+        default=DEFAULT_SELECTIONS,
+        help=f"token selections (default {DEFAULT_SELECTIONS}; lookahead:N allowed)",
+    )
+    p.add_argument(
+        "--targets", default="0.8,0.9,0.95", help="fidelity targets to show the choice for"
+    )
     p.add_argument("--seed", type=int, default=0, help="passage shuffle seed")
-    p.add_argument("--from-bench", default=None, metavar="JSON",
-                   help="measure nothing: take the blend rows of a `kvblend bench engine` result (same model "
-                        "and dtype) as the calibration")
-    p.add_argument("--out", default=None, help="calibration JSON (default: the one the engine reads, "
-                                               "<cache_dir>/calibration/<weights>-<dtype>.json)")
+    p.add_argument(
+        "--from-bench",
+        default=None,
+        metavar="JSON",
+        help="measure nothing: take the blend rows of a `kvblend bench engine` result (same model "
+        "and dtype) as the calibration",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="calibration JSON (default: the one the engine reads, "
+        "<cache_dir>/calibration/<weights>-<dtype>.json)",
+    )
 
 
 class _Tally:
@@ -67,8 +86,13 @@ def run(args) -> int:
     if args.examples < 1 or not ratios or not selections:
         print("kvblend calibrate: need --examples >= 1, a ratio and a selection", file=sys.stderr)
         return 2
-    engine = create_engine(EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                                          num_threads=args.threads)))
+    engine = create_engine(
+        EngineConfig(
+            model=ModelConfig(
+                model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads
+            )
+        )
+    )
     if args.from_bench:
         return _save(engine, bench_calibration(engine, args.from_bench), args.out, targets)
     tallies = {(s, r): _Tally() for s in selections for r in ratios}
@@ -82,18 +106,40 @@ def run(args) -> int:
         full = engine.run(GenerationRequest(segs, one, mode="full"))
         for (sel, ratio), tally in tallies.items():
             kind, depth = parse_selection(sel)
-            res = engine.run(GenerationRequest(segs, one, mode="blend", recompute_ratio=ratio, selection=kind,
-                                               lookahead_layers=depth))
-            tally.agree.append(float(int(res.first_token_logits.argmax()) == int(full.first_token_logits.argmax())))
+            res = engine.run(
+                GenerationRequest(
+                    segs,
+                    one,
+                    mode="blend",
+                    recompute_ratio=ratio,
+                    selection=kind,
+                    lookahead_layers=depth,
+                )
+            )
+            tally.agree.append(
+                float(int(res.first_token_logits.argmax()) == int(full.first_token_logits.argmax()))
+            )
             tally.kl.append(first_token_kl(full.first_token_logits, res.first_token_logits))
             tally.speedup.append(full.stats.ttft_ms / max(res.stats.ttft_ms, 1e-6))
-        print(f"[{index + 1}/{len(examples)}] {segs.num_tokens} tokens, full {full.stats.ttft_ms:.0f} ms",
-              file=sys.stderr, flush=True)
-    points = [CalibrationPoint(sel, ratio, len(t.agree), round(statistics.fmean(t.agree), 4),
-                               round(statistics.fmean(t.kl), 5), round(statistics.median(t.speedup), 3))
-              for (sel, ratio), t in tallies.items()]
-    cal = Calibration(engine.model_id, engine.fingerprint, engine.config.model.dtype,
-                      args.data, points)
+        print(
+            f"[{index + 1}/{len(examples)}] {segs.num_tokens} tokens, full {full.stats.ttft_ms:.0f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
+    points = [
+        CalibrationPoint(
+            sel,
+            ratio,
+            len(t.agree),
+            round(statistics.fmean(t.agree), 4),
+            round(statistics.fmean(t.kl), 5),
+            round(statistics.median(t.speedup), 3),
+        )
+        for (sel, ratio), t in tallies.items()
+    ]
+    cal = Calibration(
+        engine.model_id, engine.fingerprint, engine.config.model.dtype, args.data, points
+    )
     return _save(engine, cal, args.out, targets)
 
 
@@ -115,22 +161,42 @@ def bench_calibration(engine, path: str):
 
     result = json.loads(Path(path).read_text())
     if result.get("model") != engine.model_id or result.get("dtype") != engine.config.model.dtype:
-        raise SystemExit(f"kvblend calibrate: {path} is {result.get('model')} {result.get('dtype')}, "
-                         f"not {engine.model_id} {engine.config.model.dtype}")
-    points = [CalibrationPoint(row.get("selection") or "deviation", row["ratio"], row["n"],
-                               row["first_token_agreement"], row["first_token_kl_vs_full"],
-                               row["speedup_paired_median"])
-              for row in result["modes"] if row["mode"] == "blend"]
+        raise SystemExit(
+            f"kvblend calibrate: {path} is {result.get('model')} {result.get('dtype')}, "
+            f"not {engine.model_id} {engine.config.model.dtype}"
+        )
+    points = [
+        CalibrationPoint(
+            row.get("selection") or "deviation",
+            row["ratio"],
+            row["n"],
+            row["first_token_agreement"],
+            row["first_token_kl_vs_full"],
+            row["speedup_paired_median"],
+        )
+        for row in result["modes"]
+        if row["mode"] == "blend"
+    ]
     if not points:
         raise SystemExit(f"kvblend calibrate: {path} has no blend rows")
-    return Calibration(engine.model_id, engine.fingerprint, engine.config.model.dtype,
-                       str(result.get("data") or "musique"), points)
+    return Calibration(
+        engine.model_id,
+        engine.fingerprint,
+        engine.config.model.dtype,
+        str(result.get("data") or "musique"),
+        points,
+    )
 
 
 def render(cal, targets: list[float], controller) -> str:
-    lines = [f"{cal.model_id} {cal.dtype}, {cal.data}, {cal.points[0].n} prompts\n",
-             "| setting | agreement | KL | paired speed-up |", "|---|---:|---:|---:|"]
-    lines += [f"| {p.key} | {p.agreement:.0%} | {p.kl:.3f} | {p.speedup:.2f}x |" for p in cal.points]
+    lines = [
+        f"{cal.model_id} {cal.dtype}, {cal.data}, {cal.points[0].n} prompts\n",
+        "| setting | agreement | KL | paired speed-up |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {p.key} | {p.agreement:.0%} | {p.kl:.3f} | {p.speedup:.2f}x |" for p in cal.points
+    ]
     lines.append("")
     for t in targets:
         s = controller.choose(t)

@@ -20,7 +20,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (default): bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, else float32")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--mode", default="blend", choices=["full", "prefix", "reuse", "blend"])
-    p.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio in [0, 1]")
+    p.add_argument("--ratio", type=float, default=None, help="blend recompute ratio in [0, 1] (default: the "
+                                                             "engine's, 0.15)")
+    p.add_argument("--fidelity", type=float, default=None,
+                   help="target first-token agreement with full prefill in (0, 1]: ratio and selection from "
+                        "`kvblend calibrate` (full prefill where none meets it); excludes --ratio/--selection")
     p.add_argument("--selection", default=None, type=_selection,
                    help="which chunk tokens blend recomputes: deviation (largest KV deviation at the check layer), "
                         "query (most attended by the query there) or lookahead (most attended by the query over "
@@ -64,7 +68,7 @@ def run(args) -> int:
     if args.mode in ("reuse", "blend"):
         engine.precompute(segs.chunk_ids)  # a one-shot run has an empty store: fill it first, untimed
     policy = PrefillPolicy.from_fields(args.mode, args.ratio, args.selection)
-    result = engine.run(GenerationRequest(segs, sampling, policy))
+    result = engine.run(GenerationRequest(segs, sampling, policy, fidelity=args.fidelity))
     if args.json:
         print(json.dumps({"text": result.text, "finish_reason": result.finish_reason, **result.stats.as_dict()}))
     else:

@@ -4,7 +4,8 @@ full prefill at or above a target, from a calibration run and from shadow full p
 `kvblend calibrate` measures, per model and dtype, first-token agreement / KL / paired TTFT speed-up of
 each (selection, ratio) against full prefill and writes them next to the model's weights cache
 (``calibration_path``). For a target, ``FidelityController.choose`` takes the fastest measured setting
-whose agreement meets it; where none does (or nothing is calibrated), full prefill: the target is then
+whose agreement meets it, measured on enough prompts to resolve the target (``prompts_needed``);
+where none does (or nothing is calibrated), full prefill: the target is then
 met by construction, and the request's stats say so (``source``). Shadow full prefills of sampled live
 requests (run when the engine is idle) add their outcome to the setting's count, so a setting whose
 live agreement drifts under the target stops being chosen.
@@ -29,7 +30,10 @@ CALIBRATION_VERSION = 1
 #     against deviation@0.15 4.28x / 85% / 0.157: as fast, a third of the KL.
 #   qwen2 (Qwen2.5-Coder-1.5B, 12 MuSiQue prompts): lookahead@0.15 4.13x / KL 0.46 against deviation@0.15
 #     4.26x / 0.64; @0.3 2.91x / 0.30 against 3.00x / 0.47: a lower KL at every speed measured.
-FAMILY_DEFAULTS: dict[str, tuple[str, float]] = {"llama": ("lookahead", 0.1), "qwen2": ("lookahead", 0.15)}
+FAMILY_DEFAULTS: dict[str, tuple[str, float]] = {
+    "llama": ("lookahead", 0.1),
+    "qwen2": ("lookahead", 0.15),
+}
 AUTO_FALLBACK = ("deviation", 0.15)  # families never measured: the paper's setting
 
 
@@ -92,8 +96,19 @@ class Setting:
     ratio: float
     selection: str | None
     target: float
-    expected_agreement: float | None  # calibration + shadow estimate; None where nothing was measured
+    expected_agreement: (
+        float | None
+    )  # calibration + shadow estimate; None where nothing was measured
     source: str  # "calibration", "calibration+shadow", or "fallback: ..."
+
+
+def prompts_needed(target: float) -> int:
+    """Prompts a setting must be measured on before it may serve ``target``: enough that one disagreeing
+    prompt alone would put it under the target (20 for 0.95, 10 for 0.9). A target of 1.0 is never
+    served by a blend."""
+    if target >= 1.0:
+        return 1 << 30
+    return math.ceil(1.0 / (1.0 - target) - 1e-9)
 
 
 @dataclass
@@ -121,23 +136,52 @@ class FidelityController:
 
     def choose(self, target: float) -> Setting:
         if self.calibration is None or not self.calibration.points:
-            return Setting("full", 1.0, None, target, None,
-                           "fallback: no calibration for this model (run `kvblend calibrate`); full prefill")
+            return Setting(
+                "full",
+                1.0,
+                None,
+                target,
+                None,
+                "fallback: no calibration for this model (run `kvblend calibrate`); full prefill",
+            )
         best, best_speed, best_agree = None, -math.inf, None
+        needed = prompts_needed(target)
         for point in self.calibration.points:
-            agreement, _ = self.estimate(point)
+            agreement, n = self.estimate(point)
             speed = point.speedup if point.speedup is not None else 1.0 / max(point.ratio, 1e-3)
-            if agreement >= target and point.ratio < 1.0 and speed > best_speed:
+            if agreement >= target and n >= needed and point.ratio < 1.0 and speed > best_speed:
                 best, best_speed, best_agree = point, speed, agreement
+        if best is None and max(self.estimate(p)[1] for p in self.calibration.points) < needed:
+            return Setting(
+                "full",
+                1.0,
+                None,
+                target,
+                1.0,
+                f"fallback: a target of {target:g} needs >= {needed} measured prompts per setting "
+                f"(calibration has {self.calibration.points[0].n}); full prefill",
+            )
         if best is None:
             top = max(self.calibration.points, key=lambda p: self.estimate(p)[0])
-            return Setting("full", 1.0, None, target, 1.0,
-                           f"fallback: no blend setting reached {target:g} (best {top.key}: "
-                           f"{self.estimate(top)[0]:.2f}); full prefill")
+            return Setting(
+                "full",
+                1.0,
+                None,
+                target,
+                1.0,
+                f"fallback: no blend setting reached {target:g} (best {top.key}: "
+                f"{self.estimate(top)[0]:.2f}); full prefill",
+            )
         with self._lock:
             shadowed = self._live.get(best.key, _Tally()).total > 0
-        return Setting("blend", best.ratio, best.selection, target, round(best_agree, 4),
-                       "calibration+shadow" if shadowed else "calibration")
+        return Setting(
+            "blend",
+            best.ratio,
+            best.selection,
+            target,
+            round(best_agree, 4),
+            "calibration+shadow" if shadowed else "calibration",
+        )
 
     def record(self, selection: str, ratio: float, agreed: bool) -> None:
         """A shadow full prefill's verdict on a request blended with (selection, ratio)."""
