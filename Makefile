@@ -31,9 +31,13 @@ demo: $(STAMP)
 	$(BIN)/kvblend bench engine --examples 3 --max-tokens 16 --out bench/results/engine-demo.json
 
 # The layering (docs/ARCHITECTURE.md) is a contract: .importlinter fails the build on an import upwards,
-# across independent packages, or in a cycle.
+# across independent packages, or in a cycle. ruff: the formatter (100 columns) and lint rules.
 lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/ruff format --check --quiet kvblend tests scripts
+	$(BIN)/ruff check --quiet kvblend tests scripts
+	@echo "ruff: lines over 100 columns left (strings and comments): $$($(BIN)/ruff check --select E501 \
+		--quiet --output-format concise kvblend tests scripts | grep -c E501)"
 
 test: lint
 	$(BIN)/python -m pytest -q tests

@@ -18,13 +18,28 @@ from kvblend.platform import apply_malloc_defaults, apply_openmp_defaults
 COMMANDS: list[tuple[str, str, str]] = [
     ("generate", "kvblend.engine.cli", "prefill a prompt in a chosen mode and decode (one-shot)"),
     ("bench", "kvblend.bench.cli", "benchmarks: engine, store, ttft, load"),
-    ("calibrate", "kvblend.bench.calibrate",
-     "measure blend settings against full prefill; writes the model's calibration for fidelity targets"),
-    ("eval", "kvblend.bench.eval_cli", "quality + latency evaluation through an OpenAI-style endpoint"),
+    (
+        "calibrate",
+        "kvblend.bench.calibrate",
+        "measure blend settings against full prefill; writes the model's calibration for fidelity targets",
+    ),
+    (
+        "eval",
+        "kvblend.bench.eval_cli",
+        "quality + latency evaluation through an OpenAI-style endpoint",
+    ),
     ("serve", "kvblend.server.cli", "OpenAI-compatible HTTP server"),
-    ("ingest", "kvblend.server.ingest_cli", "precompute documents from a JSONL file into the chunk store"),
+    (
+        "ingest",
+        "kvblend.server.ingest_cli",
+        "precompute documents from a JSONL file into the chunk store",
+    ),
     ("store", "kvblend.store.cli", "inspect the chunk KV store: stats | ls | clear"),
-    ("doctor", "kvblend.client.doctor", "diagnose an OpenAI-style endpoint configured by auth.json"),
+    (
+        "doctor",
+        "kvblend.client.doctor",
+        "diagnose an OpenAI-style endpoint configured by auth.json",
+    ),
 ]
 
 
@@ -33,8 +48,11 @@ class CLIError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvblend", description="CacheBlend KV reuse for RAG serving.",
-                                     formatter_class=DefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvblend",
+        description="CacheBlend KV reuse for RAG serving.",
+        formatter_class=DefaultsHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"kvblend {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add_command_parsers(parser.add_subparsers(dest="command", metavar="COMMAND"), COMMANDS, "_run")
@@ -46,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     apply_malloc_defaults()  # before the model's first allocations
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

@@ -20,11 +20,15 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return text
 
 
-def add_command_parsers(sub: argparse._SubParsersAction, commands: list[tuple[str, str, str]], run_attr: str) -> None:
+def add_command_parsers(
+    sub: argparse._SubParsersAction, commands: list[tuple[str, str, str]], run_attr: str
+) -> None:
     """For each (name, module, help): a sub-parser filled by ``module.add_arguments`` whose defaults carry
     ``module.run`` under ``run_attr``. A kvblend module missing from this checkout is left out."""
     for name, module, help_text in commands:
-        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsHelpFormatter)
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=DefaultsHelpFormatter
+        )
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

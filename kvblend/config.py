@@ -14,11 +14,27 @@ from pathlib import Path
 
 from kvblend import env
 from kvblend.platform import NATIVE_BF16_CPU_FLAGS, cpu_flags
-from kvblend.policy import (PREFILL_MODES, SELECTION_KINDS, SELECTION_PRESETS, parse_selection,
-                            validate_lookahead_layers, validate_mode, validate_ratio, validate_selection)
+from kvblend.policy import (
+    PREFILL_MODES,
+    SELECTION_KINDS,
+    SELECTION_PRESETS,
+    parse_selection,
+    validate_lookahead_layers,
+    validate_mode,
+    validate_ratio,
+    validate_selection,
+)
 
-__all__ = ["PREFILL_MODES", "SELECTION_KINDS", "SELECTION_PRESETS", "parse_selection",
-           "validate_lookahead_layers", "validate_mode", "validate_ratio", "validate_selection"]
+__all__ = [
+    "PREFILL_MODES",
+    "SELECTION_KINDS",
+    "SELECTION_PRESETS",
+    "parse_selection",
+    "validate_lookahead_layers",
+    "validate_mode",
+    "validate_ratio",
+    "validate_selection",
+]
 
 # What a check layer compares (kvblend/blend/selection.py): the fresh vs cached values, keys or both (the
 # paper's KV deviation), or "attn": a row's attention output over every key vs over its own chunk and the
@@ -32,7 +48,7 @@ ATTENTION_KERNELS = ("auto", "amx", "avx512bf16", "avx2", "torch")
 
 
 def validate_device(device: str) -> str:
-    """"cpu", "cuda" or "cuda:N" (whether CUDA is there is checked when the model loads)."""
+    """ "cpu", "cuda" or "cuda:N" (whether CUDA is there is checked when the model loads)."""
     if device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
         return device
     raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
@@ -40,11 +56,14 @@ def validate_device(device: str) -> str:
 
 def default_cache_dir() -> Path:
     """Root for converted weights and the disk KV tier (``KVBLEND_CACHE_DIR`` overrides)."""
-    return env.read("KVBLEND_CACHE_DIR") or (env.read("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvblend"
+    return (
+        env.read("KVBLEND_CACHE_DIR")
+        or (env.read("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvblend"
+    )
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
-    """"auto" -> the fastest exact-enough dtype here: bfloat16 on CUDA and on CPUs with native bf16
+    """ "auto" -> the fastest exact-enough dtype here: bfloat16 on CUDA and on CPUs with native bf16
     (AMX or AVX-512 BF16), float32 on other CPUs. Any other value is returned as is."""
     if dtype != "auto":
         return dtype
@@ -91,7 +110,9 @@ class ModelConfig:
         self.device = validate_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
         if self.attention_kernel not in ATTENTION_KERNELS:
-            raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}")
+            raise ValueError(
+                f"attention_kernel must be one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}"
+            )
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         self.cache_dir = Path(self.cache_dir)
@@ -132,7 +153,9 @@ class BlendConfig:
     def __post_init__(self):
         self.fidelity = validate_fidelity(self.fidelity)
         if self.fidelity_shadow_every < 0:
-            raise ValueError(f"fidelity_shadow_every must be >= 0, got {self.fidelity_shadow_every}")
+            raise ValueError(
+                f"fidelity_shadow_every must be >= 0, got {self.fidelity_shadow_every}"
+            )
         validate_mode(self.mode)
         validate_ratio(self.recompute_ratio)
         if self.deviation not in DEVIATION_KINDS:
@@ -141,8 +164,10 @@ class BlendConfig:
         self.check_layers = tuple(int(x) for x in self.check_layers) or (first_layer,)
         self.check_ratios = tuple(float(x) for x in self.check_ratios)
         if min(self.check_layers) < first_layer:
-            raise ValueError(f"check_layers must be >= 1 with deviation {self.deviation!r} (layer-0 KV is "
-                             "context-free; deviation 'attn' can check layer 0)")
+            raise ValueError(
+                f"check_layers must be >= 1 with deviation {self.deviation!r} (layer-0 KV is "
+                "context-free; deviation 'attn' can check layer 0)"
+            )
         if list(self.check_layers) != sorted(set(self.check_layers)):
             raise ValueError("check_layers must be strictly increasing")
         if self.check_ratios:
@@ -158,8 +183,14 @@ def validate_fidelity(target: float | None) -> float | None:
     """A fidelity target: first-token agreement with full prefill in (0, 1], or None."""
     if target is None:
         return None
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 < float(target) <= 1.0:
-        raise ValueError(f"fidelity must be within (0, 1] (target first-token agreement), got {target!r}")
+    if (
+        isinstance(target, bool)
+        or not isinstance(target, (int, float))
+        or not 0.0 < float(target) <= 1.0
+    ):
+        raise ValueError(
+            f"fidelity must be within (0, 1] (target first-token agreement), got {target!r}"
+        )
     return float(target)
 
 
@@ -214,22 +245,38 @@ class StoreConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "kvblend:"
     redis_ttl_s: int = 0  # 0: entries never expire
-    redis_socket_timeout_s: float = 0.5  # short: a dead server must cost a request milliseconds, not seconds
-    redis_backoff_s: float = 1.0  # first wait before reconnecting after an error; doubles per failure
+    redis_socket_timeout_s: float = (
+        0.5  # short: a dead server must cost a request milliseconds, not seconds
+    )
+    redis_backoff_s: float = (
+        1.0  # first wait before reconnecting after an error; doubles per failure
+    )
     redis_backoff_max_s: float = 30.0
     async_writes: bool = True  # disk / redis writes go through one background writer thread
     writer_max_pending_bytes: int = 1 << 30  # beyond this, background writes are dropped (counted)
 
     def __post_init__(self):
         self.tiers = tuple(str(t) for t in self.tiers)
-        if not self.tiers or len(set(self.tiers)) != len(self.tiers) or any(t not in STORE_TIERS for t in self.tiers):
+        if (
+            not self.tiers
+            or len(set(self.tiers)) != len(self.tiers)
+            or any(t not in STORE_TIERS for t in self.tiers)
+        ):
             raise ValueError(f"tiers must be distinct names from {STORE_TIERS}, got {self.tiers}")
         for name in ("memory_bytes", "disk_bytes", "writer_max_pending_bytes", "redis_ttl_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.redis_socket_timeout_s <= 0 or self.redis_backoff_s < 0 or self.redis_backoff_max_s < self.redis_backoff_s:
-            raise ValueError("redis timeouts must be > 0 and 0 <= redis_backoff_s <= redis_backoff_max_s")
-        self.disk_dir = Path(self.disk_dir) if self.disk_dir is not None else default_cache_dir() / "kv"
+        if (
+            self.redis_socket_timeout_s <= 0
+            or self.redis_backoff_s < 0
+            or self.redis_backoff_max_s < self.redis_backoff_s
+        ):
+            raise ValueError(
+                "redis timeouts must be > 0 and 0 <= redis_backoff_s <= redis_backoff_max_s"
+            )
+        self.disk_dir = (
+            Path(self.disk_dir) if self.disk_dir is not None else default_cache_dir() / "kv"
+        )
 
 
 def filter_kwargs(cls, kwargs: dict) -> dict:
@@ -241,8 +288,11 @@ def filter_kwargs(cls, kwargs: dict) -> dict:
 def load_env_overrides() -> dict:
     """The store's environment variables (the model's are ModelConfig's defaults)."""
     out: dict = {}
-    for var, key in (("KVBLEND_STORE_TIERS", "tiers"), ("KVBLEND_STORE_DIR", "disk_dir"),
-                     ("KVBLEND_REDIS_URL", "redis_url")):
+    for var, key in (
+        ("KVBLEND_STORE_TIERS", "tiers"),
+        ("KVBLEND_STORE_DIR", "disk_dir"),
+        ("KVBLEND_REDIS_URL", "redis_url"),
+    ):
         if env.is_set(var):
             out[key] = env.read(var)
     return out
@@ -255,8 +305,11 @@ def default_config_dir() -> Path:
 
 # Client endpoint settings taken from the environment; they override auth.json (see kvblend/client/auth.py).
 # KVBLEND_API_KEY was once both the client's key and a server key: the client still reads it (deprecated).
-CLIENT_ENV_VARS = {"KVBLEND_BASE_URL": "base_url", "KVBLEND_CLIENT_API_KEY": "api_key",
-                   "KVBLEND_MODEL_ID": "model_id"}
+CLIENT_ENV_VARS = {
+    "KVBLEND_BASE_URL": "base_url",
+    "KVBLEND_CLIENT_API_KEY": "api_key",
+    "KVBLEND_MODEL_ID": "model_id",
+}
 
 
 def client_env_overrides() -> dict:
@@ -291,15 +344,23 @@ class ModelEntry:
     num_threads: int = field(default_factory=default_num_threads)
     mode: str = "blend"
     recompute_ratio: float = 0.15
-    fidelity: float | None = None  # target first-token agreement: overrides recompute_ratio (BlendConfig)
-    blend: dict = field(default_factory=dict)  # extra BlendConfig fields (check_layers, deviation, ...)
+    fidelity: float | None = (
+        None  # target first-token agreement: overrides recompute_ratio (BlendConfig)
+    )
+    blend: dict = field(
+        default_factory=dict
+    )  # extra BlendConfig fields (check_layers, deviation, ...)
     chunk_context: str | None = None
     calibration: str = ""  # calibration JSON for fidelity targets ("": the model's default path)
     base_url: str = ""
     upstream_model: str = ""
     api_key_env: str = ""
-    timeout_s: float = 60.0  # upstream: read timeout per request (between stream chunks when streaming)
-    retries: int = 2  # upstream: extra attempts, only for connection failures before any byte was sent
+    timeout_s: float = (
+        60.0  # upstream: read timeout per request (between stream chunks when streaming)
+    )
+    retries: int = (
+        2  # upstream: extra attempts, only for connection failures before any byte was sent
+    )
 
     def __post_init__(self):
         if self.kind not in BACKEND_KINDS:
@@ -316,11 +377,23 @@ class ModelEntry:
 
     def engine_config(self) -> EngineConfig:
         fidelity = {"fidelity": self.fidelity} if self.fidelity is not None else {}
-        blend = BlendConfig(**{**filter_kwargs(BlendConfig, self.blend), "mode": self.mode,
-                               "recompute_ratio": self.recompute_ratio, **fidelity})
-        model = ModelConfig(model=self.model, dtype=self.dtype, device=self.device, num_threads=self.num_threads)
-        return EngineConfig(model=model, blend=blend, chunk_context=self.chunk_context,
-                            calibration_path=Path(self.calibration) if self.calibration else None)
+        blend = BlendConfig(
+            **{
+                **filter_kwargs(BlendConfig, self.blend),
+                "mode": self.mode,
+                "recompute_ratio": self.recompute_ratio,
+                **fidelity,
+            }
+        )
+        model = ModelConfig(
+            model=self.model, dtype=self.dtype, device=self.device, num_threads=self.num_threads
+        )
+        return EngineConfig(
+            model=model,
+            blend=blend,
+            chunk_context=self.chunk_context,
+            calibration_path=Path(self.calibration) if self.calibration else None,
+        )
 
 
 @dataclass
@@ -343,7 +416,9 @@ class ServerConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     max_queue: int = 64  # per model: waiting requests beyond this get 429 + Retry-After
     max_batch: int = 8  # per model: sequences decoded together in one engine.step
-    default_max_tokens: int = 512  # when a request sets neither max_tokens nor max_completion_tokens
+    default_max_tokens: int = (
+        512  # when a request sets neither max_tokens nor max_completion_tokens
+    )
     retry_after_s: int = 1
     # Reliability limits (docs/RELIABILITY.md): bodies over max_body_bytes get 413 before they are
     # read; more than max_documents chunks in one request get 400; SIGTERM stops admitting (503) and
@@ -379,8 +454,10 @@ def load_server_env() -> dict:
         if key:
             keys.append(ApiKey(key=key, name=f"env{len(keys)}", namespace=namespace))
     if env.is_set("KVBLEND_API_KEY") and not keys:
-        env.warn_once("KVBLEND_API_KEY is a client setting and no longer turns server auth on; export "
-                      "KVBLEND_SERVER_API_KEYS (or pass --api-key) for that")
+        env.warn_once(
+            "KVBLEND_API_KEY is a client setting and no longer turns server auth on; export "
+            "KVBLEND_SERVER_API_KEYS (or pass --api-key) for that"
+        )
     return {"api_keys": keys} if keys else {}
 
 

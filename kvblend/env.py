@@ -35,30 +35,41 @@ class EnvVar:
     deprecated_by: str = ""  # the variable that replaces this one
 
 
-REGISTRY: dict[str, EnvVar] = {v.name: v for v in (
-    EnvVar("KVBLEND_MODEL", str, "", "weights (HF dir or .gguf); empty: the embedded SmolLM2-135M"),
-    EnvVar("KVBLEND_DTYPE", str, "auto", "auto | bfloat16 | float32 | float16"),
-    EnvVar("KVBLEND_THREADS", _whole_number, 0, "torch threads for an engine; 0: torch's default"),
-    EnvVar("KVBLEND_ATTENTION_KERNEL", str, "auto", "auto | amx | avx512bf16 | avx2 | torch"),
-    EnvVar("KVBLEND_CACHE_DIR", Path, None, "converted weights, kernels and the disk tier"),
-    EnvVar("KVBLEND_STORE_TIERS", _names, (), "store tiers in lookup order, e.g. memory,disk"),
-    EnvVar("KVBLEND_STORE_DIR", Path, None, "the disk tier's directory"),
-    EnvVar("KVBLEND_REDIS_URL", str, "", "the Redis tier's URL"),
-    EnvVar("KVBLEND_SERVER_API_KEYS", _names, (), "server keys: key[:namespace],..."),
-    EnvVar("KVBLEND_API_KEYS", _names, (), "server keys (old name)", "KVBLEND_SERVER_API_KEYS"),
-    EnvVar("KVBLEND_BASE_URL", str, "", "client: endpoint base URL (overrides auth.json)"),
-    EnvVar("KVBLEND_CLIENT_API_KEY", str, "", "client: bearer key (overrides auth.json)"),
-    EnvVar("KVBLEND_API_KEY", str, "", "client: bearer key (old name)", "KVBLEND_CLIENT_API_KEY"),
-    EnvVar("KVBLEND_MODEL_ID", str, "", "client: model id (overrides auth.json)"),
-    EnvVar("XDG_CACHE_HOME", Path, None, "cache root when KVBLEND_CACHE_DIR is unset"),
-    EnvVar("XDG_CONFIG_HOME", Path, None, "config root (auth.json)"),
-    EnvVar("CC", str, "gcc", "the C compiler that builds the native kernels"),
-    # The C runtime's own settings: kvblend sets its defaults only where the user chose none.
-    EnvVar("GOMP_SPINCOUNT", str, "", "GNU OpenMP: rounds a thread spins before it sleeps"),
-    EnvVar("OMP_WAIT_POLICY", str, "", "OpenMP: ACTIVE or PASSIVE waiting"),
-    EnvVar("MALLOC_MMAP_THRESHOLD_", str, "", "glibc: allocations above this use mmap"),
-    EnvVar("MALLOC_TRIM_THRESHOLD_", str, "", "glibc: freed heap above this goes back to the OS"),
-)}
+REGISTRY: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        EnvVar(
+            "KVBLEND_MODEL", str, "", "weights (HF dir or .gguf); empty: the embedded SmolLM2-135M"
+        ),
+        EnvVar("KVBLEND_DTYPE", str, "auto", "auto | bfloat16 | float32 | float16"),
+        EnvVar(
+            "KVBLEND_THREADS", _whole_number, 0, "torch threads for an engine; 0: torch's default"
+        ),
+        EnvVar("KVBLEND_ATTENTION_KERNEL", str, "auto", "auto | amx | avx512bf16 | avx2 | torch"),
+        EnvVar("KVBLEND_CACHE_DIR", Path, None, "converted weights, kernels and the disk tier"),
+        EnvVar("KVBLEND_STORE_TIERS", _names, (), "store tiers in lookup order, e.g. memory,disk"),
+        EnvVar("KVBLEND_STORE_DIR", Path, None, "the disk tier's directory"),
+        EnvVar("KVBLEND_REDIS_URL", str, "", "the Redis tier's URL"),
+        EnvVar("KVBLEND_SERVER_API_KEYS", _names, (), "server keys: key[:namespace],..."),
+        EnvVar("KVBLEND_API_KEYS", _names, (), "server keys (old name)", "KVBLEND_SERVER_API_KEYS"),
+        EnvVar("KVBLEND_BASE_URL", str, "", "client: endpoint base URL (overrides auth.json)"),
+        EnvVar("KVBLEND_CLIENT_API_KEY", str, "", "client: bearer key (overrides auth.json)"),
+        EnvVar(
+            "KVBLEND_API_KEY", str, "", "client: bearer key (old name)", "KVBLEND_CLIENT_API_KEY"
+        ),
+        EnvVar("KVBLEND_MODEL_ID", str, "", "client: model id (overrides auth.json)"),
+        EnvVar("XDG_CACHE_HOME", Path, None, "cache root when KVBLEND_CACHE_DIR is unset"),
+        EnvVar("XDG_CONFIG_HOME", Path, None, "config root (auth.json)"),
+        EnvVar("CC", str, "gcc", "the C compiler that builds the native kernels"),
+        # The C runtime's own settings: kvblend sets its defaults only where the user chose none.
+        EnvVar("GOMP_SPINCOUNT", str, "", "GNU OpenMP: rounds a thread spins before it sleeps"),
+        EnvVar("OMP_WAIT_POLICY", str, "", "OpenMP: ACTIVE or PASSIVE waiting"),
+        EnvVar("MALLOC_MMAP_THRESHOLD_", str, "", "glibc: allocations above this use mmap"),
+        EnvVar(
+            "MALLOC_TRIM_THRESHOLD_", str, "", "glibc: freed heap above this goes back to the OS"
+        ),
+    )
+}
 
 _warned: set[str] = set()
 

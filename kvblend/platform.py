@@ -14,6 +14,8 @@ from kvblend import env
 # in fp32, 1.5 s for blend@0.15 against 3.3 s). Without any native bf16 oneDNN emulates it, several times
 # slower than fp32 (measured 7.6x on an AVX2-only EPYC).
 NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
 def _cpuinfo_field(name: str) -> str:
     """The first ``name`` line's value in /proc/cpuinfo ("" where it cannot be read)."""
     try:
@@ -69,4 +71,6 @@ def apply_malloc_defaults() -> bool:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):  # another C library (musl has no mallopt)
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MALLOC_MMAP_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, MALLOC_TRIM_BYTES))
+    return bool(mallopt(M_MMAP_THRESHOLD, MALLOC_MMAP_BYTES)) and bool(
+        mallopt(M_TRIM_THRESHOLD, MALLOC_TRIM_BYTES)
+    )

@@ -37,7 +37,9 @@ DEFAULT = "default"  # a policy that names nothing: the server's or engine's own
 
 def validate_mode(mode: str) -> Mode:
     if mode not in PREFILL_MODES:
-        raise ValueError(f"unknown prefill mode {mode!r}; expected one of {', '.join(PREFILL_MODES)}")
+        raise ValueError(
+            f"unknown prefill mode {mode!r}; expected one of {', '.join(PREFILL_MODES)}"
+        )
     return Mode(mode)
 
 
@@ -49,19 +51,23 @@ def validate_ratio(ratio: float) -> float:
 
 def validate_selection(selection: str) -> Selection:
     if selection not in SELECTION_KINDS + SELECTION_PRESETS:
-        raise ValueError(f"unknown token selection {selection!r}; expected one of "
-                         f"{', '.join(SELECTION_KINDS + SELECTION_PRESETS)}")
+        raise ValueError(
+            f"unknown token selection {selection!r}; expected one of "
+            f"{', '.join(SELECTION_KINDS + SELECTION_PRESETS)}"
+        )
     return Selection(selection)
 
 
 def validate_lookahead_layers(num_layers: int) -> int:
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
-        raise ValueError(f"lookahead_layers must be an integer >= 0 (0 = every layer), got {num_layers!r}")
+        raise ValueError(
+            f"lookahead_layers must be an integer >= 0 (0 = every layer), got {num_layers!r}"
+        )
     return num_layers
 
 
 def parse_selection(text: str) -> tuple[Selection, int | None]:
-    """"deviation", "query", "lookahead", "auto" or "lookahead:N" (the reuse pass runs the first N
+    """ "deviation", "query", "lookahead", "auto" or "lookahead:N" (the reuse pass runs the first N
     layers) -> (kind, N or None)."""
     kind, sep, depth = text.partition(":")
     kind = validate_selection(kind)
@@ -70,7 +76,9 @@ def parse_selection(text: str) -> tuple[Selection, int | None]:
     if kind != Selection.LOOKAHEAD:
         raise ValueError(f"only lookahead takes a layer count ('lookahead:8'), got {text!r}")
     if not depth.isdigit():
-        raise ValueError(f"lookahead's layer count must be a whole number ('lookahead:8'), got {text!r}")
+        raise ValueError(
+            f"lookahead's layer count must be a whole number ('lookahead:8'), got {text!r}"
+        )
     return kind, validate_lookahead_layers(int(depth))
 
 
@@ -93,20 +101,31 @@ class PrefillPolicy:
             return cls()
         mode = validate_mode(mode)
         if (ratio or selection) and mode != Mode.BLEND:
-            raise ValueError(f"only blend takes a ratio or a token selection ('blend@0.15/lookahead'), "
-                             f"got {text!r}")
+            raise ValueError(
+                f"only blend takes a ratio or a token selection ('blend@0.15/lookahead'), "
+                f"got {text!r}"
+            )
         kind, depth = parse_selection(selection) if selection else (None, None)
         return cls(mode, validate_ratio(float(ratio)) if ratio else None, kind, depth)
 
     @classmethod
-    def from_fields(cls, mode: str | None = None, ratio: float | None = None,
-                    selection: str | None = None, lookahead_layers: int | None = None) -> PrefillPolicy:
+    def from_fields(
+        cls,
+        mode: str | None = None,
+        ratio: float | None = None,
+        selection: str | None = None,
+        lookahead_layers: int | None = None,
+    ) -> PrefillPolicy:
         """A request's separate fields (``selection`` may carry a depth: "lookahead:8")."""
         kind, depth = parse_selection(selection) if selection else (None, None)
         if lookahead_layers is not None:
             depth = validate_lookahead_layers(lookahead_layers)
-        return cls(None if mode is None else validate_mode(mode),
-                   None if ratio is None else validate_ratio(ratio), kind, depth)
+        return cls(
+            None if mode is None else validate_mode(mode),
+            None if ratio is None else validate_ratio(ratio),
+            kind,
+            depth,
+        )
 
     @property
     def is_default(self) -> bool:
@@ -147,11 +166,16 @@ class PrefillPolicy:
             out["selection"] = self.selection_label
         return out
 
-    def with_defaults(self, mode: str, ratio: float, selection: str,
-                      lookahead_layers: int) -> PrefillPolicy:
+    def with_defaults(
+        self, mode: str, ratio: float, selection: str, lookahead_layers: int
+    ) -> PrefillPolicy:
         """Every field None here taken from the given defaults."""
-        return replace(self, mode=self.mode or Mode(mode),
-                       ratio=ratio if self.ratio is None else self.ratio,
-                       selection=self.selection or Selection(selection),
-                       lookahead_layers=lookahead_layers if self.lookahead_layers is None
-                       else self.lookahead_layers)
+        return replace(
+            self,
+            mode=self.mode or Mode(mode),
+            ratio=ratio if self.ratio is None else self.ratio,
+            selection=self.selection or Selection(selection),
+            lookahead_layers=lookahead_layers
+            if self.lookahead_layers is None
+            else self.lookahead_layers,
+        )

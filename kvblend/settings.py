@@ -24,8 +24,14 @@ from typing import Any
 
 import yaml
 
-from kvblend.config import (ApiKey, ModelEntry, ServerConfig, StoreConfig, load_env_overrides,
-                            load_server_env)
+from kvblend.config import (
+    ApiKey,
+    ModelEntry,
+    ServerConfig,
+    StoreConfig,
+    load_env_overrides,
+    load_server_env,
+)
 
 STORE_ENV_FIELDS = ("tiers", "disk_dir", "redis_url")
 
@@ -56,8 +62,10 @@ def _model_entry(data: Any, i: int) -> ModelEntry:
     if not isinstance(data, dict):
         raise ValueError(f"models[{i}] must be a mapping or a weights path")
     if "api_key" in data:  # secrets stay out of config files
-        raise ValueError(f"models[{i}]: do not put an upstream key in the config file; export it in an environment "
-                         "variable and name that variable with api_key_env")
+        raise ValueError(
+            f"models[{i}]: do not put an upstream key in the config file; export it in an environment "
+            "variable and name that variable with api_key_env"
+        )
     return ModelEntry(**_check_keys(ModelEntry, dict(data), f"models[{i}]"))
 
 
@@ -74,7 +82,10 @@ def server_config_from_dict(data: dict[str, Any]) -> ServerConfig:
     if "models" in data:
         models = data["models"]
         if isinstance(models, dict):  # {id: {...}} mapping form
-            models = [{"id": k, **(v or {})} if isinstance(v, dict) else {"id": k, "model": v} for k, v in models.items()]
+            models = [
+                {"id": k, **(v or {})} if isinstance(v, dict) else {"id": k, "model": v}
+                for k, v in models.items()
+            ]
         data["models"] = [_model_entry(m, i) for i, m in enumerate(models or [])]
     if "api_keys" in data:
         data["api_keys"] = [_api_key(k, i) for i, k in enumerate(data["api_keys"] or [])]
@@ -83,14 +94,20 @@ def server_config_from_dict(data: dict[str, Any]) -> ServerConfig:
     return ServerConfig(**data)
 
 
-def load_server_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServerConfig:
+def load_server_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None
+) -> ServerConfig:
     """File (optional) + environment + explicit overrides (CLI flags; None values are skipped)."""
     data = read_config_file(path) if path else {}
     store_env = {k: v for k, v in load_env_overrides().items() if k in STORE_ENV_FIELDS}
     if store_env:  # KVBLEND_STORE_TIERS / _STORE_DIR / _REDIS_URL override the file's store section
         data["store"] = {**(data.get("store") or {}), **store_env}
     env = load_server_env()
-    if env.get("api_keys"):  # env keys add to the file's, so a deployment can inject a secret without editing it
-        data["api_keys"] = list(data.get("api_keys") or []) + [dataclasses.asdict(k) for k in env["api_keys"]]
+    if env.get(
+        "api_keys"
+    ):  # env keys add to the file's, so a deployment can inject a secret without editing it
+        data["api_keys"] = list(data.get("api_keys") or []) + [
+            dataclasses.asdict(k) for k in env["api_keys"]
+        ]
     data.update({k: v for k, v in (overrides or {}).items() if v is not None})
     return server_config_from_dict(data)

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import selection_oracle as oracle  # noqa: E402
+
 from kvblend.bench.data import load_examples  # noqa: E402
 from kvblend.bench.engine_bench import bench_segments, first_token_kl  # noqa: E402
 from kvblend.blend import blender  # noqa: E402

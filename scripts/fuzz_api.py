@@ -21,8 +21,14 @@ from pathlib import Path
 
 MAX_TOKENS = 16  # generated max_tokens are capped: a streamed 8k-token answer takes minutes here
 
-CHECKS = ",".join(["not_a_server_error", "status_code_conformance", "content_type_conformance",
-                   "response_schema_conformance"])
+CHECKS = ",".join(
+    [
+        "not_a_server_error",
+        "status_code_conformance",
+        "content_type_conformance",
+        "response_schema_conformance",
+    ]
+)
 
 
 def main() -> int:
@@ -37,13 +43,28 @@ def main() -> int:
     here = Path(sys.executable).parent  # the venv this script runs in, even when it is not on PATH
     exe = shutil.which("schemathesis", path=str(here)) or shutil.which("schemathesis")
     if exe is None:
-        print("fuzz_api: schemathesis is not installed (pip install 'kvblend[test]')",
-              file=sys.stderr)
+        print(
+            "fuzz_api: schemathesis is not installed (pip install 'kvblend[test]')", file=sys.stderr
+        )
         return 2
-    cmd = [exe, "run", args.base_url.rstrip("/") + "/openapi.json", "--checks", CHECKS,
-           "--max-examples", str(args.max_examples), "--workers", str(args.workers),
-           "--continue-on-failure", "--report", "junit", "--report-dir", args.report_dir,
-           "--request-timeout", "120"]
+    cmd = [
+        exe,
+        "run",
+        args.base_url.rstrip("/") + "/openapi.json",
+        "--checks",
+        CHECKS,
+        "--max-examples",
+        str(args.max_examples),
+        "--workers",
+        str(args.workers),
+        "--continue-on-failure",
+        "--report",
+        "junit",
+        "--report-dir",
+        args.report_dir,
+        "--request-timeout",
+        "120",
+    ]
     if args.key:
         cmd += ["-H", f"Authorization: Bearer {args.key}"]
     if args.seed is not None:

@@ -40,15 +40,15 @@ apply_malloc_defaults()
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kvblend.blend.blender import KernelAttention, TorchAttention  # noqa: E402
 from kvblend.bench.data import DEFAULT_MUSIQUE, load_musique  # noqa: E402
 from kvblend.bench.engine_bench import bench_segments  # noqa: E402
+from kvblend.blend.blender import KernelAttention, TorchAttention  # noqa: E402
 from kvblend.client.stream import parse_mode_spec  # noqa: E402
 from kvblend.config import BlendConfig, EngineConfig, ModelConfig  # noqa: E402
 from kvblend.engine.engine import create_engine  # noqa: E402
 from kvblend.engine.request import GenerationRequest, SamplingParams  # noqa: E402
-from kvblend.policy import PrefillPolicy  # noqa: E402
 from kvblend.models.transformer import TransformerOps  # noqa: E402
+from kvblend.policy import PrefillPolicy  # noqa: E402
 
 
 def random_weights_dir(config_dir: Path, dtype: torch.dtype) -> Path:
@@ -56,7 +56,9 @@ def random_weights_dir(config_dir: Path, dtype: torch.dtype) -> Path:
 
     out = Path(tempfile.mkdtemp(prefix="kvblend-random-"))
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir)).to(dtype).save_pretrained(out)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir)).to(
+        dtype
+    ).save_pretrained(out)
     for f in config_dir.iterdir():
         if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(f, out / f.name)
@@ -72,7 +74,9 @@ def expanded_attend(self, q, k, v, mask, causal=True):
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
 
-def mode_request(segs, spec: PrefillPolicy, sampling: SamplingParams | None = None) -> GenerationRequest:
+def mode_request(
+    segs, spec: PrefillPolicy, sampling: SamplingParams | None = None
+) -> GenerationRequest:
     """``spec`` as `eval` names modes (blend@0.15/lookahead); a bare blend takes the engine's ratio. One token
     unless ``sampling`` says otherwise."""
     return GenerationRequest(segs, sampling or SamplingParams(max_tokens=1), spec)
@@ -97,9 +101,14 @@ def time_mode(engine, segs, spec: PrefillPolicy, repeats: int) -> list[float]:
 
 
 # (label, object, method) of the calls --parts times; "attention" is the blender's attention call
-PARTS = (("q/k/v", TransformerOps, "qkv"), ("attention", KernelAttention, "__call__"),
-         ("attention", TorchAttention, "__call__"), ("o_proj + MLP", TransformerOps, "finish_layer"),
-         ("row scatter", TransformerOps, "write_rows"), ("logits", TransformerOps, "logits"))
+PARTS = (
+    ("q/k/v", TransformerOps, "qkv"),
+    ("attention", KernelAttention, "__call__"),
+    ("attention", TorchAttention, "__call__"),
+    ("o_proj + MLP", TransformerOps, "finish_layer"),
+    ("row scatter", TransformerOps, "write_rows"),
+    ("logits", TransformerOps, "logits"),
+)
 
 
 @contextlib.contextmanager
@@ -122,6 +131,7 @@ def timed_parts(device: str):
                 sync()
                 totals[label] += time.perf_counter() - start
                 depth[0] -= 1
+
         return timed
 
     originals = [(owner, name, getattr(owner, name)) for _, owner, name in PARTS]
@@ -143,13 +153,18 @@ def parts_table(engine, segs, spec: PrefillPolicy, device: str, repeats: int) ->
     parts = {"stored KV load (waited)": statistics.mean(s.load_ms for s in stats)}
     parts.update({label: seconds * 1e3 / repeats for label, seconds in totals.items()})
     parts["rest (planning, selection, Python)"] = ttft - sum(parts.values())
-    lines = [f"\n{spec.label}: mean TTFT {ttft:.1f} ms (median {statistics.median(s.ttft_ms for s in stats):.1f})",
-             "| part | ms a request | share |", "|---|---:|---:|"]
+    lines = [
+        f"\n{spec.label}: mean TTFT {ttft:.1f} ms (median {statistics.median(s.ttft_ms for s in stats):.1f})",
+        "| part | ms a request | share |",
+        "|---|---:|---:|",
+    ]
     lines += [f"| {label} | {ms:.1f} | {ms / ttft:.0%} |" for label, ms in parts.items()]
     return "\n".join(lines)
 
 
-def profile_mode(engine, segs, spec: PrefillPolicy, device: str, rows: int, shapes: bool = False) -> str:
+def profile_mode(
+    engine, segs, spec: PrefillPolicy, device: str, rows: int, shapes: bool = False
+) -> str:
     """One request under torch.profiler; ``shapes``: one table row per op and input shapes."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -163,7 +178,12 @@ def profile_mode(engine, segs, spec: PrefillPolicy, device: str, rows: int, shap
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="", help="HF dir or .gguf (default: the embedded model)")
-    p.add_argument("--random-weights", default=None, metavar="DIR", help="config + tokenizer dir; random weights")
+    p.add_argument(
+        "--random-weights",
+        default=None,
+        metavar="DIR",
+        help="config + tokenizer dir; random weights",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=0)
@@ -173,37 +193,58 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=15, help="profiler table rows (0: no table)")
     p.add_argument("--variants", default="gqa", help="comma-separated: gqa, expand")
     p.add_argument("--shapes", action="store_true", help="profiler rows per op and input shapes")
-    p.add_argument("--parts", action="store_true", help="a table per mode of the time in each part of a request")
-    p.add_argument("--decode-tokens", type=int, default=0, metavar="N",
-                   help="also decode N tokens after each mode's first (EOS ignored): median ms a token")
+    p.add_argument(
+        "--parts",
+        action="store_true",
+        help="a table per mode of the time in each part of a request",
+    )
+    p.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also decode N tokens after each mode's first (EOS ignored): median ms a token",
+    )
     args = p.parse_args()
-    cfg = ModelConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    cfg = ModelConfig(
+        model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads
+    )
     if args.random_weights:
         cfg.model = str(random_weights_dir(Path(args.random_weights), getattr(torch, cfg.dtype)))
     engine = create_engine(EngineConfig(model=cfg, blend=BlendConfig(store_blended_prefix=False)))
     ex = load_musique(DEFAULT_MUSIQUE, limit=args.example + 1)[args.example]
     segs = bench_segments(engine, list(reversed(ex.passages)), ex.question)
     engine.precompute(segs.chunk_ids)
-    print(f"{engine.model_id} {cfg.dtype} on {args.device} ({torch.cuda.get_device_name() if args.device != 'cpu' else 'cpu'}), "
-          f"attention kernel {engine.attention_kernel}, {segs.num_tokens} prompt tokens, {torch.get_num_threads()} threads")
+    print(
+        f"{engine.model_id} {cfg.dtype} on {args.device} ({torch.cuda.get_device_name() if args.device != 'cpu' else 'cpu'}), "
+        f"attention kernel {engine.attention_kernel}, {segs.num_tokens} prompt tokens, {torch.get_num_threads()} threads"
+    )
     specs = [parse_mode_spec(text) for text in args.modes.split(",")]
     original = TransformerOps.attend
     for variant in args.variants.split(","):
         TransformerOps.attend = expanded_attend if variant == "expand" else original
         for spec in specs:
             ttft = time_mode(engine, segs, spec, args.repeats)
-            print(f"[{variant}] {spec.label}: median TTFT {statistics.median(ttft):.1f} ms (min {min(ttft):.1f}, "
-                  f"n={len(ttft)})", flush=True)
+            print(
+                f"[{variant}] {spec.label}: median TTFT {statistics.median(ttft):.1f} ms (min {min(ttft):.1f}, "
+                f"n={len(ttft)})",
+                flush=True,
+            )
             if args.decode_tokens > 0:
                 ms = decode_ms_per_token(engine, segs, spec, args.decode_tokens, args.repeats)
-                print(f"[{variant}] {spec.label}: decoding {ms:.2f} ms a token ({args.decode_tokens} tokens)", flush=True)
+                print(
+                    f"[{variant}] {spec.label}: decoding {ms:.2f} ms a token ({args.decode_tokens} tokens)",
+                    flush=True,
+                )
         if args.parts:
             for spec in specs:
                 print(parts_table(engine, segs, spec, args.device, args.repeats), flush=True)
         if args.rows:
             for spec in specs:
-                print(f"\n--- [{variant}] {spec.label} ---\n{profile_mode(engine, segs, spec, args.device, args.rows, args.shapes)}",
-                      flush=True)
+                print(
+                    f"\n--- [{variant}] {spec.label} ---\n{profile_mode(engine, segs, spec, args.device, args.rows, args.shapes)}",
+                    flush=True,
+                )
     TransformerOps.attend = original
     return 0
 

@@ -39,8 +39,8 @@ from kvblend.bench.engine_bench import bench_segments, first_token_kl  # noqa: E
 from kvblend.blend.blender import KVCache, PrefillPlan, run_prefill  # noqa: E402
 from kvblend.blend.selection import num_to_keep, select_top_tokens  # noqa: E402
 from kvblend.config import EngineConfig, ModelConfig  # noqa: E402
-from kvblend.policy import parse_selection  # noqa: E402
 from kvblend.engine.engine import create_engine  # noqa: E402
+from kvblend.policy import parse_selection  # noqa: E402
 from kvblend.store.memory import MemoryStore  # noqa: E402
 
 VARIANTS = ("deviation", "attn", "lookahead", "random", "starts", "oracle-attn", "oracle-dev")
@@ -57,15 +57,20 @@ class Prompt:
         self.chunk_rows = torch.arange(len(segs.prefix_ids), T - len(segs.query_ids))
         full = self.run(None, None, torch.zeros(T, dtype=torch.bool), torch.arange(T))
         self.full_logits = full.last_logits.clone()
-        self.full_k, self.full_v = full.fresh_k.clone(), full.fresh_v.clone()  # [L, Hkv, T, d] pre-RoPE
+        self.full_k, self.full_v = (
+            full.fresh_k.clone(),
+            full.fresh_v.clone(),
+        )  # [L, Hkv, T, d] pre-RoPE
         self.stored_k, self.stored_v = self.full_k.clone(), self.full_v.clone()
         row = self.prefix_len = len(segs.prefix_ids)
         engine.precompute(segs.chunk_ids)
         spans = []
         for chunk_ids in segs.chunk_ids:
-            kv = engine.store.get(engine.chunk_key(chunk_ids))  # computed alone behind the chunk context
-            self.stored_k[:, :, row:row + len(chunk_ids)] = kv.k
-            self.stored_v[:, :, row:row + len(chunk_ids)] = kv.v
+            kv = engine.store.get(
+                engine.chunk_key(chunk_ids)
+            )  # computed alone behind the chunk context
+            self.stored_k[:, :, row : row + len(chunk_ids)] = kv.k
+            self.stored_v[:, :, row : row + len(chunk_ids)] = kv.v
             spans.append((row, row + len(chunk_ids)))
             row += len(chunk_ids)
         self.chunk_spans = tuple(spans)
@@ -80,16 +85,23 @@ class Prompt:
     def blend(self, chosen: torch.Tensor, **plan_kwargs) -> torch.Tensor:
         """Last-token logits with the query and ``chosen`` chunk rows computed over the stored KV."""
         active = torch.unique(torch.cat([self.query_rows, chosen]))
-        return self.run(self.stored_k.clone(), self.stored_v.clone(), self.stored_mask, active,
-                        **plan_kwargs).last_logits
+        return self.run(
+            self.stored_k.clone(), self.stored_v.clone(), self.stored_mask, active, **plan_kwargs
+        ).last_logits
 
     def query_attention(self, exact: bool, num_layers: int | None = None) -> torch.Tensor:
         """[chunk rows] attention the query gives each chunk row, summed over layers (the first
         ``num_layers`` if given): over full prefill's KV (exact) or over the stored KV (a reuse pass, as
         lookahead does)."""
         k, v = (self.full_k, self.full_v) if exact else (self.stored_k, self.stored_v)
-        out = self.run(k.clone(), v.clone(), self.stored_mask, self.query_rows, record_query_attention=True,
-                       num_layers=num_layers)
+        out = self.run(
+            k.clone(),
+            v.clone(),
+            self.stored_mask,
+            self.query_rows,
+            record_query_attention=True,
+            num_layers=num_layers,
+        )
         return out.query_attention[self.chunk_rows]
 
     def deviation(self) -> torch.Tensor:
@@ -97,7 +109,9 @@ class Prompt:
         rows = self.chunk_rows
         total = torch.zeros(rows.numel())
         for full, stored in ((self.full_k, self.stored_k), (self.full_v, self.stored_v)):
-            dev = ((full[:, :, rows].float() - stored[:, :, rows].float()) ** 2).sum(dim=(1, 3))  # [L, R]
+            dev = ((full[:, :, rows].float() - stored[:, :, rows].float()) ** 2).sum(
+                dim=(1, 3)
+            )  # [L, R]
             total += (dev / dev.mean(dim=1, keepdim=True).clamp_min(1e-12)).sum(0)
         return total
 
@@ -111,8 +125,11 @@ def _is_lookahead_depth(variant: str) -> bool:
 
 def _is_starts_plus_lookahead(variant: str) -> bool:
     count, _, selection = variant.removeprefix("starts").partition("+")
-    return variant.startswith("starts") and count.isdigit() and (selection == "lookahead" or
-                                                                   _is_lookahead_depth(selection))
+    return (
+        variant.startswith("starts")
+        and count.isdigit()
+        and (selection == "lookahead" or _is_lookahead_depth(selection))
+    )
 
 
 def _chunk_starts(p: Prompt, count: int) -> torch.Tensor:
@@ -123,10 +140,18 @@ def _chunk_starts(p: Prompt, count: int) -> torch.Tensor:
 def variant_logits(p: Prompt, variant: str, num_keep: int, rng: torch.Generator) -> torch.Tensor:
     rows = p.chunk_rows
     if variant == "deviation":
-        return p.blend(rows, check_layers=(1,), check_keep=(num_keep,))  # every chunk row until the check
+        return p.blend(
+            rows, check_layers=(1,), check_keep=(num_keep,)
+        )  # every chunk row until the check
     if variant == "attn":
-        return p.blend(rows, check_layers=(0,), check_keep=(num_keep,), deviation="attn", chunk_spans=p.chunk_spans,
-                       prefix_len=p.prefix_len)
+        return p.blend(
+            rows,
+            check_layers=(0,),
+            check_keep=(num_keep,),
+            deviation="attn",
+            chunk_spans=p.chunk_spans,
+            prefix_len=p.prefix_len,
+        )
     if variant == "random":
         return p.blend(rows[torch.randperm(rows.numel(), generator=rng)[:num_keep]])
     if variant == "starts":
@@ -140,9 +165,14 @@ def variant_logits(p: Prompt, variant: str, num_keep: int, rng: torch.Generator)
         return p.blend(rows[select_top_tokens(score, num_keep)])
     if variant.startswith("lookahead:"):
         depth = min(parse_selection(variant)[1] or p.ops.num_layers, p.ops.num_layers)
-        return p.blend(rows[select_top_tokens(p.query_attention(exact=False, num_layers=depth), num_keep)])
-    score = {"lookahead": lambda: p.query_attention(exact=False), "oracle-attn": lambda: p.query_attention(exact=True),
-             "oracle-dev": p.deviation}[variant]()
+        return p.blend(
+            rows[select_top_tokens(p.query_attention(exact=False, num_layers=depth), num_keep)]
+        )
+    score = {
+        "lookahead": lambda: p.query_attention(exact=False),
+        "oracle-attn": lambda: p.query_attention(exact=True),
+        "oracle-dev": p.deviation,
+    }[variant]()
     return p.blend(rows[select_top_tokens(score, num_keep)])
 
 
@@ -153,17 +183,28 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--examples", type=int, default=10)
     ap.add_argument("--ratios", default="0.15")
-    ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"comma-separated, from {', '.join(VARIANTS)}, lookahead:N and startsN+lookahead[:M] "
-                         "(default: the fixed list)")
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, from {', '.join(VARIANTS)}, lookahead:N and startsN+lookahead[:M] "
+        "(default: the fixed list)",
+    )
     ap.add_argument("--out", default=None, help="JSON of per-example results")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
-    unknown = {v for v in variants if v not in VARIANTS and not _is_lookahead_depth(v) and not _is_starts_plus_lookahead(v)}
+    unknown = {
+        v
+        for v in variants
+        if v not in VARIANTS and not _is_lookahead_depth(v) and not _is_starts_plus_lookahead(v)
+    }
     if unknown:
         raise SystemExit(f"selection_oracle: unknown variant(s) {', '.join(sorted(unknown))}")
     ratios = [float(r) for r in args.ratios.split(",")]
-    engine = create_engine(EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype, num_threads=args.threads)))
+    engine = create_engine(
+        EngineConfig(
+            model=ModelConfig(model=args.model, dtype=args.dtype, num_threads=args.threads)
+        )
+    )
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
     results = {f"{v}@{r:g}": {"agree": [], "kl": []} for r in ratios for v in variants}
     with torch.inference_mode():
@@ -180,16 +221,35 @@ def main() -> int:
                     res = results[f"{v}@{r:g}"]
                     res["agree"].append(float(int(logits.argmax()) == int(p.full_logits.argmax())))
                     res["kl"].append(round(first_token_kl(p.full_logits, logits), 5))
-            print(f"example {index}: " + ", ".join(f"{name} {res['agree'][-1]:.0f}/{res['kl'][-1]:.3f}"
-                                                   for name, res in results.items()), flush=True)
+            print(
+                f"example {index}: "
+                + ", ".join(
+                    f"{name} {res['agree'][-1]:.0f}/{res['kl'][-1]:.3f}"
+                    for name, res in results.items()
+                ),
+                flush=True,
+            )
     print(f"\n{engine.model_id} {args.dtype}, {args.examples} examples\n")
-    print("| variant | first-token agreement | first-token KL vs full (mean) | KL (median) |\n|---|---:|---:|---:|")
+    print(
+        "| variant | first-token agreement | first-token KL vs full (mean) | KL (median) |\n|---|---:|---:|---:|"
+    )
     for name, res in results.items():
-        print(f"| {name} | {statistics.fmean(res['agree']):.0%} | {statistics.fmean(res['kl']):.3f} | "
-              f"{statistics.median(res['kl']):.3f} |")
+        print(
+            f"| {name} | {statistics.fmean(res['agree']):.0%} | {statistics.fmean(res['kl']):.3f} | "
+            f"{statistics.median(res['kl']):.3f} |"
+        )
     if args.out:
-        Path(args.out).write_text(json.dumps({"model": engine.model_id, "dtype": args.dtype,
-                                              "examples": args.examples, "results": results}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "model": engine.model_id,
+                    "dtype": args.dtype,
+                    "examples": args.examples,
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

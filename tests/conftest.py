@@ -7,8 +7,15 @@ import pytest
 # ---- markers: unit / engine / e2e, from what a test needs (owner: house) --------------------------
 # e2e: a real server subprocess or redis-server; engine: the real model in this process; unit: the rest.
 E2E_FIXTURES = {"kvblend_server_factory", "redis_server"}
-ENGINE_MODULES = {"test_engine", "test_kernels", "test_qwen", "test_selection_oracle",
-                  "test_profile_prefill", "test_buffers", "test_bench_engine"}
+ENGINE_MODULES = {
+    "test_engine",
+    "test_kernels",
+    "test_qwen",
+    "test_selection_oracle",
+    "test_profile_prefill",
+    "test_buffers",
+    "test_bench_engine",
+}
 
 
 def pytest_collection_modifyitems(items):
@@ -23,18 +30,24 @@ def pytest_collection_modifyitems(items):
 
 # ---- redis_server: a real, throwaway redis-server on a free port (owner: store) -------------------
 REDIS_SKIP_REASON = "redis-server not installed"
-REDIS_HINT = ("install it (Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis) and "
-              "run make test again; .ci/run installs it")
+REDIS_HINT = (
+    "install it (Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis) and "
+    "run make test again; .ci/run installs it"
+)
 
 
 def pytest_terminal_summary(terminalreporter):
     """A fresh machine without redis-server skips the shared-store tests: say so where people look."""
-    skipped = [r for r in terminalreporter.stats.get("skipped", [])
-               if REDIS_SKIP_REASON in str(getattr(r, "longrepr", ""))]
+    skipped = [
+        r
+        for r in terminalreporter.stats.get("skipped", [])
+        if REDIS_SKIP_REASON in str(getattr(r, "longrepr", ""))
+    ]
     if skipped:
         terminalreporter.write_sep("=", "Redis tests skipped", yellow=True)
-        terminalreporter.write_line(f"{len(skipped)} Redis test(s) were skipped: {REDIS_SKIP_REASON}; "
-                                    f"{REDIS_HINT}.")
+        terminalreporter.write_line(
+            f"{len(skipped)} Redis test(s) were skipped: {REDIS_SKIP_REASON}; {REDIS_HINT}."
+        )
 
 
 @pytest.fixture
@@ -73,8 +86,13 @@ def _kvblend_free_port() -> int:
 class KVBlendServer:
     """``python -m kvblend.cli serve`` on 127.0.0.1:<free port>; ready when /health answers 200."""
 
-    def __init__(self, config: dict | None = None, args: list[str] | None = None, workdir: _Path | None = None,
-                 env: dict | None = None):
+    def __init__(
+        self,
+        config: dict | None = None,
+        args: list[str] | None = None,
+        workdir: _Path | None = None,
+        env: dict | None = None,
+    ):
         self.port = _kvblend_free_port()
         self.extra_env = dict(env or {})
         self.workdir = _Path(workdir or _tempfile.mkdtemp(prefix="kvblend-serve-"))
@@ -88,15 +106,30 @@ class KVBlendServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 180.0) -> "KVBlendServer":
-        cmd = [_sys.executable, "-m", "kvblend.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [
+            _sys.executable,
+            "-m",
+            "kvblend.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
         if self.config is not None:
             cfg_path = self.workdir / "server.json"  # JSON is YAML: the YAML loader reads it
             cfg_path.write_text(_json.dumps(self.config))
             cmd += ["--config", str(cfg_path)]
-        env = {k: v for k, v in _os.environ.items() if not k.startswith(("KVBLEND_API_KEY", "KVBLEND_SERVER_API_KEY"))}
+        env = {
+            k: v
+            for k, v in _os.environ.items()
+            if not k.startswith(("KVBLEND_API_KEY", "KVBLEND_SERVER_API_KEY"))
+        }
         env.update(self.extra_env)
         self._log = open(self.log_path, "wb")
-        self.proc = _subprocess.Popen(cmd + self.args, stdout=self._log, stderr=_subprocess.STDOUT, env=env)
+        self.proc = _subprocess.Popen(
+            cmd + self.args, stdout=self._log, stderr=_subprocess.STDOUT, env=env
+        )
         deadline = _time.monotonic() + timeout
         while not self.healthy():  # poll /health (the app answers only after the models loaded)
             try:
@@ -104,7 +137,9 @@ class KVBlendServer:
             except _subprocess.TimeoutExpired:
                 pass
             else:
-                raise RuntimeError(f"kvblend serve exited with {self.proc.returncode}:\n{self.logs()}")
+                raise RuntimeError(
+                    f"kvblend serve exited with {self.proc.returncode}:\n{self.logs()}"
+                )
             if _time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"kvblend serve not healthy after {timeout}s:\n{self.logs()}")
@@ -138,7 +173,9 @@ def kvblend_server_factory(tmp_path_factory):
     module end. ``env`` adds variables to the server's environment."""
     servers: list[KVBlendServer] = []
 
-    def start(config: dict | None = None, args: list[str] | None = None, env: dict | None = None) -> KVBlendServer:
+    def start(
+        config: dict | None = None, args: list[str] | None = None, env: dict | None = None
+    ) -> KVBlendServer:
         server = KVBlendServer(config, args, tmp_path_factory.mktemp("kvblend-serve"), env)
         servers.append(server)
         return server.start()

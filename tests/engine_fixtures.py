@@ -35,11 +35,18 @@ DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
 
 @lru_cache(maxsize=None)
-def embedded_engine(dtype: str = "float32", attention_kernel: str = "auto", device: str = "cpu") -> Engine:
+def embedded_engine(
+    dtype: str = "float32", attention_kernel: str = "auto", device: str = "cpu"
+) -> Engine:
     """The embedded model; ``attention_kernel`` "auto" takes the native kernel where this CPU has it,
     "torch" pins PyTorch's kernels (so both prefill attention paths stay gated)."""
-    return create_engine(EngineConfig(model=ModelConfig(dtype=dtype, device=device, num_threads=2,
-                                                        attention_kernel=attention_kernel)))
+    return create_engine(
+        EngineConfig(
+            model=ModelConfig(
+                dtype=dtype, device=device, num_threads=2, attention_kernel=attention_kernel
+            )
+        )
+    )
 
 
 def musique_docs(example: int = 0, num_docs: int = 4) -> tuple[list[str], str]:
@@ -54,9 +61,18 @@ def tiny_model_dir(tmp: Path, model_type: str = "llama", rope_scaling: dict | No
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base = embedded_engine("float32").loaded.model_dir
-    kwargs = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    kwargs = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if rope_scaling is not None:
         kwargs["rope_parameters"] = rope_scaling
     cfg = AutoConfig.for_model(model_type, **kwargs)
@@ -64,12 +80,20 @@ def tiny_model_dir(tmp: Path, model_type: str = "llama", rope_scaling: dict | No
     model = AutoModelForCausalLM.from_config(cfg).to(torch.float32)
     out = tmp / f"tiny-{model_type}"
     model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+    ):
         if (base / name).exists():
             shutil.copy(base / name, out / name)
     return out
 
 
 def tiny_engine(model_dir: Path, **blend) -> Engine:
-    return create_engine(EngineConfig(model=ModelConfig(model=str(model_dir), dtype="float32"),
-                                      blend=BlendConfig(**blend)))
+    return create_engine(
+        EngineConfig(
+            model=ModelConfig(model=str(model_dir), dtype="float32"), blend=BlendConfig(**blend)
+        )
+    )

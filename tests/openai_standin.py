@@ -35,7 +35,9 @@ import httpx
 
 
 class StandinState:
-    def __init__(self, key: str, models: list[str], answer: str, usage: bool, delay_per_token_s: float):
+    def __init__(
+        self, key: str, models: list[str], answer: str, usage: bool, delay_per_token_s: float
+    ):
         self.key = key
         self.models = models
         self.answer = answer
@@ -70,17 +72,23 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, status: int, message: str, type_: str, code: str | None = None) -> None:
-        self._json(status, {"error": {"message": message, "type": type_, "param": None, "code": code}})
+        self._json(
+            status, {"error": {"message": message, "type": type_, "param": None, "code": code}}
+        )
 
     def _authorized(self) -> bool:
         if not self.state.key:
             return True
         header = self.headers.get("Authorization")
         if header is None or not header.startswith("Bearer "):
-            self._error(401, "Missing bearer token in the Authorization header", "invalid_request_error")
+            self._error(
+                401, "Missing bearer token in the Authorization header", "invalid_request_error"
+            )
             return False
         if header != f"Bearer {self.state.key}":
-            self._error(401, "Incorrect API key provided", "invalid_request_error", "invalid_api_key")
+            self._error(
+                401, "Incorrect API key provided", "invalid_request_error", "invalid_api_key"
+            )
             return False
         return True
 
@@ -93,7 +101,10 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/v1/models":
             if not self._authorized():
                 return
-            data = [{"id": m, "object": "model", "created": 0, "owned_by": "standin"} for m in self.state.models]
+            data = [
+                {"id": m, "object": "model", "created": 0, "owned_by": "standin"}
+                for m in self.state.models
+            ]
             return self._json(200, {"object": "list", "data": data})
         self._error(404, f"Not found: {self.path}", "not_found")
 
@@ -109,8 +120,12 @@ class Handler(BaseHTTPRequestHandler):
         except json.JSONDecodeError:
             return self._error(400, "invalid JSON body", "invalid_request_error")
         if body.get("model") not in self.state.models:
-            return self._error(404, f"The model `{body.get('model')}` does not exist", "invalid_request_error",
-                               "model_not_found")
+            return self._error(
+                404,
+                f"The model `{body.get('model')}` does not exist",
+                "invalid_request_error",
+                "model_not_found",
+            )
         with self.state.lock:
             self.state.requests.append(body)
         self._complete(body)
@@ -129,28 +144,54 @@ class Handler(BaseHTTPRequestHandler):
         answer = "London Bridge" if mode == "reuse" else self.state.answer
         words = answer.split()[: max(1, int(body.get("max_tokens") or 16))]
         finish = "stop" if len(words) == len(answer.split()) else "length"
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(words),
-                 "total_tokens": prompt_tokens + len(words), "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(words),
+            "total_tokens": prompt_tokens + len(words),
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
         cid, model, created = f"chatcmpl-{uuid.uuid4().hex[:12]}", body["model"], int(time.time())
         if not body.get("stream"):
             msg = {"role": "assistant", "content": " ".join(words)}
-            return self._json(200, {"id": cid, "object": "chat.completion", "created": created, "model": model,
-                                    "choices": [{"index": 0, "message": msg, "finish_reason": finish}],
-                                    "usage": usage})
+            return self._json(
+                200,
+                {
+                    "id": cid,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [{"index": 0, "message": msg, "finish_reason": finish}],
+                    "usage": usage,
+                },
+            )
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
 
         def chunk(choices: list, **extra) -> None:
-            obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": choices, **extra}
+            obj = {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                **extra,
+            }
             self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
             self.wfile.flush()
 
         chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
         chunk([])  # an empty-choices chunk mid-stream: clients must not index choices[0] blindly
         for i, w in enumerate(words):
-            chunk([{"index": 0, "delta": {"content": w if i == 0 else " " + w}, "finish_reason": None}])
+            chunk(
+                [
+                    {
+                        "index": 0,
+                        "delta": {"content": w if i == 0 else " " + w},
+                        "finish_reason": None,
+                    }
+                ]
+            )
         chunk([{"index": 0, "delta": {}, "finish_reason": finish}])
         if self.state.usage and (body.get("stream_options") or {}).get("include_usage"):
             chunk([], usage=usage)
@@ -168,11 +209,25 @@ def serve(port: int, state: StandinState) -> ThreadingHTTPServer:
 class StandinServer:
     """Runs the stand-in in a subprocess; ``base_url`` is ready once the context is entered."""
 
-    def __init__(self, key: str = "sk-standin-0123456789abcd", models: tuple[str, ...] = ("standin-a", "standin-b"),
-                 answer: str = "Paris", usage: bool = True, delay_per_token_s: float = 0.0):
+    def __init__(
+        self,
+        key: str = "sk-standin-0123456789abcd",
+        models: tuple[str, ...] = ("standin-a", "standin-b"),
+        answer: str = "Paris",
+        usage: bool = True,
+        delay_per_token_s: float = 0.0,
+    ):
         self.key, self.models = key, models
-        self.args = ["--key", key, "--models", ",".join(models), "--answer", answer,
-                     "--delay-per-token", str(delay_per_token_s)] + ([] if usage else ["--no-usage"])
+        self.args = [
+            "--key",
+            key,
+            "--models",
+            ",".join(models),
+            "--answer",
+            answer,
+            "--delay-per-token",
+            str(delay_per_token_s),
+        ] + ([] if usage else ["--no-usage"])
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
@@ -188,8 +243,11 @@ class StandinServer:
         return httpx.get(self.root_url + "/debug/requests", timeout=5).json()["requests"]
 
     def __enter__(self) -> "StandinServer":
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--port", "0", *self.args],
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--port", "0", *self.args],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         line = self.proc.stdout.readline()  # "PORT n", printed once the socket is bound
         if not line.startswith("PORT "):
             self.__exit__()
@@ -225,10 +283,19 @@ def main() -> None:
     p.add_argument("--key", default="")
     p.add_argument("--models", default="standin-a")
     p.add_argument("--answer", default="Paris")
-    p.add_argument("--no-usage", action="store_true", help="never send usage (like llama.cpp's server)")
-    p.add_argument("--delay-per-token", type=float, default=0.0, help="simulated prefill seconds per uncached token")
+    p.add_argument(
+        "--no-usage", action="store_true", help="never send usage (like llama.cpp's server)"
+    )
+    p.add_argument(
+        "--delay-per-token",
+        type=float,
+        default=0.0,
+        help="simulated prefill seconds per uncached token",
+    )
     a = p.parse_args()
-    state = StandinState(a.key, [m for m in a.models.split(",") if m], a.answer, not a.no_usage, a.delay_per_token)
+    state = StandinState(
+        a.key, [m for m in a.models.split(",") if m], a.answer, not a.no_usage, a.delay_per_token
+    )
     server = serve(a.port, state)
     print(f"PORT {server.server_address[1]}", flush=True)
     try:
@@ -250,7 +317,12 @@ STANDIN_KEY = "sk-standin-0123456789abcd"
 @pytest.fixture
 def isolated(tmp_path, monkeypatch):
     """No auth.json or KVBLEND_* variable from the developer's machine leaks into a test."""
-    for var in ("KVBLEND_BASE_URL", "KVBLEND_API_KEY", "KVBLEND_CLIENT_API_KEY", "KVBLEND_MODEL_ID"):
+    for var in (
+        "KVBLEND_BASE_URL",
+        "KVBLEND_API_KEY",
+        "KVBLEND_CLIENT_API_KEY",
+        "KVBLEND_MODEL_ID",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     monkeypatch.chdir(tmp_path)

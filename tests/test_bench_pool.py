@@ -13,7 +13,11 @@ from kvblend.bench.engine_bench import ModeRun, pool_results, quality_curve, sma
 
 
 def _runs(rng: random.Random, n: int) -> list[ModeRun]:
-    runs = [ModeRun("full", "full", 1.0), ModeRun("reuse", "reuse", 0.0), ModeRun("blend@0.15", "blend", 0.15)]
+    runs = [
+        ModeRun("full", "full", 1.0),
+        ModeRun("reuse", "reuse", 0.0),
+        ModeRun("blend@0.15", "blend", 0.15),
+    ]
     for _ in range(n):
         for mr, scale in zip(runs, (1.0, 0.03, 0.2)):
             mr.ttft_ms.append(rng.uniform(10, 20) * 1000 * scale)
@@ -21,23 +25,45 @@ def _runs(rng: random.Random, n: int) -> list[ModeRun]:
             mr.first_token_agree.append(1.0 if mr.mode == "full" else float(rng.random() < 0.9))
             mr.kl_vs_full.append(0.0 if mr.mode == "full" else rng.uniform(0, 0.5))
             mr.rouge_vs_full.append(1.0 if mr.mode == "full" else rng.uniform(0.4, 1.0))
-            mr.decode_ms.append(rng.choice([None, rng.uniform(30, 40)]))  # None: the answer was one token
+            mr.decode_ms.append(
+                rng.choice([None, rng.uniform(30, 40)])
+            )  # None: the answer was one token
             mr.answers.append(f"answer {len(mr.answers)}")
     return runs
 
 
 def _result(runs: list[ModeRun], offset: int, **extra) -> dict:
-    return {"bench": "engine", "model": "m", "model_dir": "/m", "dtype": "float32", "attention_kernel": "avx2",
-            "check_layers": [1], "check_ratios": [], "deviation": "v", "max_tokens": 8, "threads": 2,
-            "examples": len(runs[0].ttft_ms), "offset": offset, "modes": [mr.summary(runs[0]) for mr in runs],
-            **extra}
+    return {
+        "bench": "engine",
+        "model": "m",
+        "model_dir": "/m",
+        "dtype": "float32",
+        "attention_kernel": "avx2",
+        "check_layers": [1],
+        "check_ratios": [],
+        "deviation": "v",
+        "max_tokens": 8,
+        "threads": 2,
+        "examples": len(runs[0].ttft_ms),
+        "offset": offset,
+        "modes": [mr.summary(runs[0]) for mr in runs],
+        **extra,
+    }
 
 
 def _slice(runs: list[ModeRun], start: int, end: int) -> list[ModeRun]:
     out = []
     for mr in runs:
         part = ModeRun(mr.name, mr.mode, mr.ratio)
-        for name in ("ttft_ms", "f1", "first_token_agree", "kl_vs_full", "rouge_vs_full", "decode_ms", "answers"):
+        for name in (
+            "ttft_ms",
+            "f1",
+            "first_token_agree",
+            "kl_vs_full",
+            "rouge_vs_full",
+            "decode_ms",
+            "answers",
+        ):
             setattr(part, name, getattr(mr, name)[start:end])
         out.append(part)
     return out
@@ -48,17 +74,32 @@ def test_pooled_halves_equal_the_whole(tmp_path):
     paths = []
     for start, end in ((4, 9), (0, 4)):  # given out of order: pooling sorts by offset
         path = tmp_path / f"part{start}.json"
-        path.write_text(json.dumps(_result(_slice(whole, start, end), start, seed=0, prompt_tokens=[6000] * (end - start))))
+        path.write_text(
+            json.dumps(
+                _result(
+                    _slice(whole, start, end), start, seed=0, prompt_tokens=[6000] * (end - start)
+                )
+            )
+        )
         paths.append(str(path))
     pooled = pool_results(paths)
     expected = [mr.summary(whole[0]) for mr in whole]
-    assert pooled["examples"] == 9 and pooled["offset"] == 0 and pooled["prompt_tokens_median"] == 6000
+    assert (
+        pooled["examples"] == 9 and pooled["offset"] == 0 and pooled["prompt_tokens_median"] == 6000
+    )
     assert pooled["pooled_from"] == [paths[1], paths[0]]
     # the files keep rounded per-example values (TTFT to 0.01 ms, F1 / Rouge-L to 1e-4, KL to 1e-5): the
     # pooled summaries match the whole run's to that rounding
-    tolerance = {"ttft_median_ms": 0.01, "speedup_vs_full": 2e-3, "speedup_paired_median": 2e-3, "f1": 2e-4,
-                 "first_token_agreement": 0, "first_token_kl_vs_full": 2e-4, "rouge_l_vs_full": 2e-4,
-                 "decode_ms_per_token_median": 0.01}
+    tolerance = {
+        "ttft_median_ms": 0.01,
+        "speedup_vs_full": 2e-3,
+        "speedup_paired_median": 2e-3,
+        "f1": 2e-4,
+        "first_token_agreement": 0,
+        "first_token_kl_vs_full": 2e-4,
+        "rouge_l_vs_full": 2e-4,
+        "decode_ms_per_token_median": 0.01,
+    }
     for row, ref in zip(pooled["modes"], expected):
         assert row["n"] == ref["n"] and row["per_example"] == ref["per_example"]
         for key, tol in tolerance.items():
@@ -81,14 +122,19 @@ def test_a_file_without_per_example_rouge_pools_its_weighted_mean(tmp_path):
         # the old file's examples have no decode timing: the median is over the new file's
         assert row["per_example"]["decode_ms_per_token"][:2] == [None, None]
         timed = [round(d, 2) for d in ref.decode_ms[2:] if d is not None]
-        assert row["decode_ms_per_token_median"] == (pytest.approx(statistics.median(timed), abs=0.01) if timed else None)
+        assert row["decode_ms_per_token_median"] == (
+            pytest.approx(statistics.median(timed), abs=0.01) if timed else None
+        )
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"dtype": "bfloat16"}, "differs from"),
-    ({"seed": 3}, "differs from"),
-    ({"offset": 2}, "overlaps an earlier file's range"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"dtype": "bfloat16"}, "differs from"),
+        ({"seed": 3}, "differs from"),
+        ({"offset": 2}, "overlaps an earlier file's range"),
+    ],
+)
 def test_runs_that_cannot_pool_are_refused(tmp_path, change, message):
     runs = _runs(random.Random(3), 4)
     (tmp_path / "a.json").write_text(json.dumps(_result(runs, 0)))
@@ -105,9 +151,24 @@ def test_not_a_bench_engine_file_is_refused(tmp_path):
 
 def test_quality_curve_orders_by_ratio_and_names_the_smallest_ratio_reaching_agreement():
     runs = _runs(random.Random(4), 5)
-    runs.append(ModeRun("blend@0.3", "blend", 0.3, **{k: list(getattr(runs[0], k)) for k in
-                                                      ("ttft_ms", "f1", "first_token_agree", "kl_vs_full",
-                                                       "rouge_vs_full", "answers")}))
+    runs.append(
+        ModeRun(
+            "blend@0.3",
+            "blend",
+            0.3,
+            **{
+                k: list(getattr(runs[0], k))
+                for k in (
+                    "ttft_ms",
+                    "f1",
+                    "first_token_agree",
+                    "kl_vs_full",
+                    "rouge_vs_full",
+                    "answers",
+                )
+            },
+        )
+    )
     rows = [mr.summary(runs[0]) for mr in runs]
     curve = quality_curve(rows)
     assert [p["name"] for p in curve] == ["reuse", "blend@0.15", "blend@0.3", "full"]

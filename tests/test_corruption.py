@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from engine_fixtures import INSTRUCTION, embedded_engine, musique_docs
+
 from kvblend.engine.request import GenerationRequest, SamplingParams
 from kvblend.store.disk import SUFFIX, DiskStore
 from kvblend.store.serializer import parse_header
@@ -22,7 +22,11 @@ def _requests(engine):
     out = []
     for example, order in ((0, (0, 1, 2)), (0, (2, 0, 1)), (1, (0, 1, 2))):
         docs, question = musique_docs(example, 3)
-        out.append(engine.segments(documents=[docs[i] for i in order], question=question, instruction=INSTRUCTION))
+        out.append(
+            engine.segments(
+                documents=[docs[i] for i in order], question=question, instruction=INSTRUCTION
+            )
+        )
     return out
 
 
@@ -30,7 +34,9 @@ def _answers(engine, store_dir: Path, requests) -> list[list[int]]:
     engine.store = DiskStore(store_dir)
     outs = []
     for segs in requests:
-        req = GenerationRequest(segs, SamplingParams(max_tokens=6), mode="blend", recompute_ratio=0.15)
+        req = GenerationRequest(
+            segs, SamplingParams(max_tokens=6), mode="blend", recompute_ratio=0.15
+        )
         outs.append(engine.run(req).token_ids)
     return outs
 

@@ -13,15 +13,23 @@ from dataclasses import replace
 
 import pytest
 import torch
+from engine_fixtures import (
+    DEVICES,
+    INSTRUCTION,
+    embedded_engine,
+    musique_docs,
+    needs_cuda,
+    tiny_engine,
+    tiny_model_dir,
+)
 
-from engine_fixtures import DEVICES, INSTRUCTION, embedded_engine, musique_docs, needs_cuda, tiny_engine, tiny_model_dir
 from kvblend.blend.blender import KVCache, PrefillPlan, create_attention, row_blocks, run_prefill
 from kvblend.blend.rope import apply_rope, unapply_rope
 from kvblend.blend.selection import num_to_keep
 from kvblend.config import SELECTION_KINDS, BlendConfig, EngineConfig, ModelConfig
 from kvblend.engine.engine import ContextLengthError, create_engine
-from kvblend.engine.request import GenerationRequest, SamplingParams
 from kvblend.engine.kv_loader import LayerwiseLoader
+from kvblend.engine.request import GenerationRequest, SamplingParams
 from kvblend.models.loader import ModelLoadError
 from kvblend.store.base import ChunkKV
 from kvblend.store.disk import DiskStore
@@ -60,14 +68,28 @@ def no_blended_prefix(engine):
 
 
 def _first(engine, segs, mode, ratio=0.15, max_tokens=1, selection=None, lookahead_layers=None):
-    return engine.run(GenerationRequest(segs, SamplingParams(max_tokens=max_tokens), mode=mode, recompute_ratio=ratio,
-                                        selection=selection, lookahead_layers=lookahead_layers))
+    return engine.run(
+        GenerationRequest(
+            segs,
+            SamplingParams(max_tokens=max_tokens),
+            mode=mode,
+            recompute_ratio=ratio,
+            selection=selection,
+            lookahead_layers=lookahead_layers,
+        )
+    )
 
 
-@pytest.mark.parametrize("dtype,atol,attention,device", [
-    ("float32", FP32_ATOL, "auto", "cpu"), ("float32", FP32_ATOL, "torch", "cpu"), ("bfloat16", BF16_ATOL, "auto", "cpu"),
-    pytest.param("float32", FP32_ATOL, "auto", "cuda", marks=needs_cuda),
-    pytest.param("bfloat16", BF16_ATOL, "auto", "cuda", marks=needs_cuda)])
+@pytest.mark.parametrize(
+    "dtype,atol,attention,device",
+    [
+        ("float32", FP32_ATOL, "auto", "cpu"),
+        ("float32", FP32_ATOL, "torch", "cpu"),
+        ("bfloat16", BF16_ATOL, "auto", "cpu"),
+        pytest.param("float32", FP32_ATOL, "auto", "cuda", marks=needs_cuda),
+        pytest.param("bfloat16", BF16_ATOL, "auto", "cuda", marks=needs_cuda),
+    ],
+)
 def test_blend_ratio_one_equals_full(dtype, atol, attention, device):
     engine = embedded_engine(dtype, attention, device)
     engine.store = MemoryStore()
@@ -75,13 +97,21 @@ def test_blend_ratio_one_equals_full(dtype, atol, attention, device):
     full = _first(engine, segs, "full")
     engine.precompute(segs.chunk_ids)
     with no_blended_prefix(engine):
-        _first(engine, segs, "blend", 1.0)  # stores the prefix, so the next run reads it from the store
-        for selection, deviation in [(kind, "v") for kind in SELECTION_KINDS] + [("deviation", "attn")]:
+        _first(
+            engine, segs, "blend", 1.0
+        )  # stores the prefix, so the next run reads it from the store
+        for selection, deviation in [(kind, "v") for kind in SELECTION_KINDS] + [
+            ("deviation", "attn")
+        ]:
             with blend_config(engine, deviation=deviation):
                 blend = _first(engine, segs, "blend", 1.0, selection=selection)
-            assert blend.stats.chunks_hit == 4 and blend.stats.recomputed_tokens == sum(map(len, segs.chunk_ids))
+            assert blend.stats.chunks_hit == 4 and blend.stats.recomputed_tokens == sum(
+                map(len, segs.chunk_ids)
+            )
             diff = (blend.first_token_logits - full.first_token_logits).abs().max().item()
-            assert diff <= atol, f"blend@1.0 ({selection} selection, {deviation}) differs from full by {diff}"
+            assert diff <= atol, (
+                f"blend@1.0 ({selection} selection, {deviation}) differs from full by {diff}"
+            )
             assert blend.first_token_logits.argmax() == full.first_token_logits.argmax()
 
 
@@ -106,7 +136,9 @@ def test_reused_chunk_layer0_kv_matches_fresh_at_new_position(device):
     engine = embedded_engine("float32", device=device)
     segs = _segments(engine, order=(3, 1, 0, 2))
     ids = torch.tensor(segs.token_ids)
-    plan = PrefillPlan(ids, None, None, torch.zeros(len(ids), dtype=torch.bool), torch.arange(len(ids)))
+    plan = PrefillPlan(
+        ids, None, None, torch.zeros(len(ids), dtype=torch.bool), torch.arange(len(ids))
+    )
     cache = KVCache.allocate(engine.ops, len(ids))
     out = run_prefill(engine.ops, plan, cache)
     start = len(segs.prefix_ids) + len(segs.chunk_ids[0]) + len(segs.chunk_ids[1])
@@ -115,13 +147,17 @@ def test_reused_chunk_layer0_kv_matches_fresh_at_new_position(device):
     rows = slice(start, start + len(chunk))
     cos, sin = engine.ops.rope_cos_sin(torch.arange(start, start + len(chunk)))
     torch.testing.assert_close(stored.v[0], out.fresh_v[0][:, rows], atol=1e-5, rtol=0)
-    torch.testing.assert_close(apply_rope(stored.k[0], cos, sin), cache.k[0][:, rows], atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        apply_rope(stored.k[0], cos, sin), cache.k[0][:, rows], atol=1e-5, rtol=0
+    )
     # ...and deeper layers do differ (otherwise there would be nothing to blend)
     assert (stored.v[5] - out.fresh_v[5][:, rows]).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("attention,device", [("auto", "cpu"), ("torch", "cpu"),
-                                              pytest.param("auto", "cuda", marks=needs_cuda)])
+@pytest.mark.parametrize(
+    "attention,device",
+    [("auto", "cpu"), ("torch", "cpu"), pytest.param("auto", "cuda", marks=needs_cuda)],
+)
 def test_exact_kv_with_any_active_subset_equals_full(attention, device):
     """With exact stored KV, computing an arbitrary subset of rows must reproduce full prefill: a mask
     letting a selected row see a later key (the bottom-right approximation) would change the logits.
@@ -133,8 +169,12 @@ def test_exact_kv_with_any_active_subset_equals_full(attention, device):
     ref_plan = PrefillPlan(ids, None, None, torch.zeros(T, dtype=torch.bool), torch.arange(T))
     ref = run_prefill(engine.ops, ref_plan, KVCache.allocate(engine.ops, T))
     gen = torch.Generator().manual_seed(0)
-    active = torch.unique(torch.cat([torch.randperm(T, generator=gen)[: T // 7], torch.tensor([T - 1])]))
-    plan = PrefillPlan(ids, ref.fresh_k.clone(), ref.fresh_v.clone(), torch.ones(T, dtype=torch.bool), active)
+    active = torch.unique(
+        torch.cat([torch.randperm(T, generator=gen)[: T // 7], torch.tensor([T - 1])])
+    )
+    plan = PrefillPlan(
+        ids, ref.fresh_k.clone(), ref.fresh_v.clone(), torch.ones(T, dtype=torch.bool), active
+    )
     out = run_prefill(engine.ops, plan, KVCache.allocate(engine.ops, T))
     assert (out.last_logits - ref.last_logits).abs().max().item() <= FP32_ATOL
 
@@ -144,7 +184,11 @@ class _SlowReader(KVReader):
 
     def __init__(self, inner: TensorReader, delay: float):
         self.inner, self.delay = inner, delay
-        self.num_layers, self.kv_heads, self.seq_len = inner.num_layers, inner.kv_heads, inner.seq_len
+        self.num_layers, self.kv_heads, self.seq_len = (
+            inner.num_layers,
+            inner.kv_heads,
+            inner.seq_len,
+        )
         self.head_dim, self.dtype = inner.head_dim, inner.dtype
 
     def read_layer_bytes_into(self, layer, k_out, v_out):
@@ -161,22 +205,40 @@ def test_rows_computed_everywhere_still_wait_for_a_lagging_loader(tmp_path):
     ops = engine.ops
     segs = engine.segments(["one two three " * 20, "four five six " * 25], "Question: sum?")
     ids, T = torch.tensor(segs.token_ids), segs.num_tokens
-    ref = run_prefill(ops, PrefillPlan(ids, None, None, torch.zeros(T, dtype=torch.bool), torch.arange(T)),
-                      KVCache.allocate(ops, T))
-    junk = ChunkKV(torch.randn_like(ref.fresh_k) * 50, torch.randn_like(ref.fresh_v) * 50)  # must never win
+    ref = run_prefill(
+        ops,
+        PrefillPlan(ids, None, None, torch.zeros(T, dtype=torch.bool), torch.arange(T)),
+        KVCache.allocate(ops, T),
+    )
+    junk = ChunkKV(
+        torch.randn_like(ref.fresh_k) * 50, torch.randn_like(ref.fresh_v) * 50
+    )  # must never win
     junk.k[0], junk.v[0] = ref.fresh_k[0], ref.fresh_v[0]
     cache = KVCache.allocate(ops, T)
     k_pre = torch.empty_like(ref.fresh_k)
-    with LayerwiseLoader([(_SlowReader(TensorReader(junk), 0.05), 0)], k_pre, cache.v[:, :, :T]) as loader:
-        plan = PrefillPlan(ids, k_pre, cache.v[:, :, :T], torch.ones(T, dtype=torch.bool), torch.arange(T),
-                           check_layers=(1,), check_keep=(T,), deviation="v", wait_layer=loader.wait_layer)
+    with LayerwiseLoader(
+        [(_SlowReader(TensorReader(junk), 0.05), 0)], k_pre, cache.v[:, :, :T]
+    ) as loader:
+        plan = PrefillPlan(
+            ids,
+            k_pre,
+            cache.v[:, :, :T],
+            torch.ones(T, dtype=torch.bool),
+            torch.arange(T),
+            check_layers=(1,),
+            check_keep=(T,),
+            deviation="v",
+            wait_layer=loader.wait_layer,
+        )
         out = run_prefill(ops, plan, cache)
     assert (out.last_logits - ref.last_logits).abs().max().item() <= FP32_ATOL
     assert torch.equal(cache.v[:, :, :T], ref.fresh_v)
 
 
 def test_row_blocks_mask_is_exact_causal():
-    active = torch.tensor([3, 4, 10, 11, 50, 51, 52, 90, 120, 121, 200, 260, 261, 300, 301, 302, 399] * 1)
+    active = torch.tensor(
+        [3, 4, 10, 11, 50, 51, 52, 90, 120, 121, 200, 260, 261, 300, 301, 302, 399] * 1
+    )
     blocks = row_blocks(active, max_blocks=4, min_rows=2)
     assert sum(b.rows.stop - b.rows.start for b in blocks) == active.numel()
     for b in blocks:
@@ -187,15 +249,23 @@ def test_row_blocks_mask_is_exact_causal():
 
 
 def test_rope_repositioning_round_trip_with_rope_scaling(tmp_path):
-    scaling = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    scaling = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    }
     engine = tiny_engine(tiny_model_dir(tmp_path, "llama", scaling))
     ops = engine.ops
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     k = torch.randn(ops.num_kv_heads, 40, ops.head_dim)
     cos_a, sin_a = ops.rope_cos_sin(torch.arange(0, 40))
-    cos_b, sin_b = ops.rope_cos_sin(torch.arange(700, 740))  # beyond original_max: scaled frequencies
+    cos_b, sin_b = ops.rope_cos_sin(
+        torch.arange(700, 740)
+    )  # beyond original_max: scaled frequencies
     moved = apply_rope(unapply_rope(apply_rope(k, cos_a, sin_a), cos_a, sin_a), cos_b, sin_b)
     _, hf = apply_rotary_pos_emb(k[None], k[None], cos_b[None], sin_b[None])
     torch.testing.assert_close(moved, hf[0], atol=1e-5, rtol=0)
@@ -210,7 +280,9 @@ def test_rope_repositioning_round_trip_with_rope_scaling(tmp_path):
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral"])
 def test_other_architectures_blend_one_equals_full(tmp_path, model_type):
     engine = tiny_engine(tiny_model_dir(tmp_path, model_type))
-    segs = engine.segments(["one two three " * 20, "four five six " * 25, "seven " * 30], "Question: sum?")
+    segs = engine.segments(
+        ["one two three " * 20, "four five six " * 25, "seven " * 30], "Question: sum?"
+    )
     full = _first(engine, segs, "full", max_tokens=4)
     engine.precompute(segs.chunk_ids)
     blend = _first(engine, segs, "blend", 1.0, max_tokens=4)
@@ -218,9 +290,19 @@ def test_other_architectures_blend_one_equals_full(tmp_path, model_type):
     assert blend.token_ids == full.token_ids
 
 
-@pytest.mark.parametrize("deviation,selection", [("v", "deviation"), ("kv", "deviation"), ("attn", "deviation"),
-                                                 ("v", "query"), ("v", "lookahead")])
-def test_blend_paths_with_any_deviation_and_recycled_buffers_equal_unpooled(tmp_path, deviation, selection):
+@pytest.mark.parametrize(
+    "deviation,selection",
+    [
+        ("v", "deviation"),
+        ("kv", "deviation"),
+        ("attn", "deviation"),
+        ("v", "query"),
+        ("v", "lookahead"),
+    ],
+)
+def test_blend_paths_with_any_deviation_and_recycled_buffers_equal_unpooled(
+    tmp_path, deviation, selection
+):
     """The check layer projects only V for every row with the value deviation (Q/K for the kept rows),
     K/V for every row and Q for the query rows with the query selection, all three otherwise (lookahead
     has no check layer, and a reuse pass first); layer 0 takes stored rows' K/V as stored. Either way, and whether caches come from the pool or not, blend
@@ -228,10 +310,16 @@ def test_blend_paths_with_any_deviation_and_recycled_buffers_equal_unpooled(tmp_
     never handed to another request; a dropped one's is."""
     model = tiny_model_dir(tmp_path, "qwen3")  # q_norm / k_norm on the partial projections too
     pooled = tiny_engine(model, deviation=deviation, selection=selection)
-    unpooled = create_engine(EngineConfig(model=ModelConfig(model=str(model), dtype="float32"),
-                                          blend=BlendConfig(deviation=deviation, selection=selection),
-                                          buffer_pool_bytes=0))
-    segs = unpooled.segments(["one two three " * 20, "four five six " * 25, "seven " * 30], "Question: sum?")
+    unpooled = create_engine(
+        EngineConfig(
+            model=ModelConfig(model=str(model), dtype="float32"),
+            blend=BlendConfig(deviation=deviation, selection=selection),
+            buffer_pool_bytes=0,
+        )
+    )
+    segs = unpooled.segments(
+        ["one two three " * 20, "four five six " * 25, "seven " * 30], "Question: sum?"
+    )
     for engine in (pooled, unpooled):
         engine.precompute(segs.chunk_ids)
     with no_blended_prefix(pooled), no_blended_prefix(unpooled):
@@ -243,10 +331,14 @@ def test_blend_paths_with_any_deviation_and_recycled_buffers_equal_unpooled(tmp_
     assert pooled.buffers.reused >= 3 and unpooled.buffers.reused == 0
     for key in [k for k in results if k[0] == "pooled"]:
         a, b = results[key], results[("unpooled",) + key[1:]]
-        assert torch.equal(a.first_token_logits, b.first_token_logits) and a.token_ids == b.token_ids
+        assert (
+            torch.equal(a.first_token_logits, b.first_token_logits) and a.token_ids == b.token_ids
+        )
     full, blend_one = results["pooled", "full", 1.0], results["pooled", "blend", 1.0]
     assert (blend_one.first_token_logits - full.first_token_logits).abs().max().item() <= FP32_ATOL
-    live = pooled.start(GenerationRequest(segs, SamplingParams(max_tokens=3), mode="blend", recompute_ratio=0.3))
+    live = pooled.start(
+        GenerationRequest(segs, SamplingParams(max_tokens=3), mode="blend", recompute_ratio=0.3)
+    )
     other = pooled.start(GenerationRequest(segs, SamplingParams(max_tokens=3), mode="full"))
     spans = [(s.cache.k.data_ptr(), s.cache.v[-1, -1, -1].data_ptr()) for s in (live, other)]
     assert spans[0][1] < spans[1][0] or spans[1][1] < spans[0][0]  # disjoint memory
@@ -264,15 +356,21 @@ def _attention_deviation_reference(ops, ids: torch.Tensor, prefix_len: int, span
     q, k, v = ops.qkv(0, h)  # [H, T, d] pre-RoPE; layer 0 needs no context
     T = ids.numel()
     if getattr(create_attention(ops, T), "head_subsets", False):
-        q = q[::ops.group_size]
+        q = q[:: ops.group_size]
     cos, sin = ops.rope_cos_sin(torch.arange(T))
-    full = ops.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, None)  # [T, Hq * d], causal
+    full = ops.attend(
+        apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, None
+    )  # [T, Hq * d], causal
     out = []
     for start, end in spans:
         rows = torch.cat([torch.arange(prefix_len), torch.arange(start, end)])
         n = rows.numel()
-        local = ops.attend(apply_rope(q[:, rows], cos[:n], sin[:n]), apply_rope(k[:, rows], cos[:n], sin[:n]),
-                           v[:, rows], None)[prefix_len:]
+        local = ops.attend(
+            apply_rope(q[:, rows], cos[:n], sin[:n]),
+            apply_rope(k[:, rows], cos[:n], sin[:n]),
+            v[:, rows],
+            None,
+        )[prefix_len:]
         out.append((full[start:end] - local).pow(2).sum(-1))
     return torch.cat(out)
 
@@ -293,18 +391,35 @@ def test_attention_check_keeps_the_rows_the_other_chunks_move_most():
     stored, spans, row = torch.zeros(T, dtype=torch.bool), [], P
     for chunk_ids in segs.chunk_ids:
         kv = engine.store.get(engine.chunk_key(chunk_ids))
-        stored_k[:, :, row:row + len(chunk_ids)], stored_v[:, :, row:row + len(chunk_ids)] = kv.k, kv.v
+        stored_k[:, :, row : row + len(chunk_ids)], stored_v[:, :, row : row + len(chunk_ids)] = (
+            kv.k,
+            kv.v,
+        )
         spans.append((row, row + len(chunk_ids)))
         row += len(chunk_ids)
     stored[P:row] = True  # the prefix and the query are computed
     num_keep = num_to_keep(0.15, row - P)
-    plan = PrefillPlan(ids, stored_k, stored_v, stored, torch.arange(T), check_layers=(0,), check_keep=(num_keep,),
-                       deviation="attn", chunk_spans=tuple(spans), prefix_len=P)
+    plan = PrefillPlan(
+        ids,
+        stored_k,
+        stored_v,
+        stored,
+        torch.arange(T),
+        check_layers=(0,),
+        check_keep=(num_keep,),
+        deviation="attn",
+        chunk_spans=tuple(spans),
+        prefix_len=P,
+    )
     got = set(run_prefill(ops, plan, KVCache.allocate(ops, T)).recomputed_rows.tolist())
     dev = _attention_deviation_reference(ops, ids, P, spans)
     expected = set((torch.topk(dev, num_keep).indices + P).tolist())
-    assert len(got) == num_keep and len(got & expected) >= num_keep - 2  # fp32 ties at the cut may swap
-    with pytest.raises(ValueError, match="chunk_spans"):  # a plan that cannot say what a row's chunk is
+    assert (
+        len(got) == num_keep and len(got & expected) >= num_keep - 2
+    )  # fp32 ties at the cut may swap
+    with pytest.raises(
+        ValueError, match="chunk_spans"
+    ):  # a plan that cannot say what a row's chunk is
         run_prefill(ops, replace(plan, chunk_spans=tuple(spans[1:])), KVCache.allocate(ops, T))
     with no_blended_prefix(engine), blend_config(engine, deviation="attn"):
         blend = _first(engine, segs, "blend", 0.15)
@@ -330,7 +445,10 @@ def test_blended_prefix_is_reused_by_the_next_question():
     assert (reused.first_token_logits - scratch.first_token_logits).abs().max().item() <= FP32_ATOL
     # another selection blends other rows: it never takes the deviation selection's blended KV
     other = _first(engine, second, "blend", 0.15, selection="query")
-    assert other.stats.chunks_hit == 4 and other.stats.recomputed_tokens == scratch.stats.recomputed_tokens
+    assert (
+        other.stats.chunks_hit == 4
+        and other.stats.recomputed_tokens == scratch.stats.recomputed_tokens
+    )
 
 
 def test_missing_chunks_are_prefilled_in_context_then_stored():
@@ -353,11 +471,18 @@ def test_missing_chunks_are_prefilled_in_context_then_stored():
 def test_greedy_decoding_matches_transformers_generate(device):
     engine = embedded_engine("float32", device=device)
     segs = _segments(engine)
-    ours = engine.run(GenerationRequest(segs, SamplingParams(max_tokens=16, ignore_eos=True), mode="full"))
+    ours = engine.run(
+        GenerationRequest(segs, SamplingParams(max_tokens=16, ignore_eos=True), mode="full")
+    )
     ids = torch.tensor([segs.token_ids], device=device)
-    hf = engine.loaded.hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                                         do_sample=False, min_new_tokens=16)
-    assert ours.token_ids == hf[0, ids.shape[1]:].tolist()
+    hf = engine.loaded.hf_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=16,
+        do_sample=False,
+        min_new_tokens=16,
+    )
+    assert ours.token_ids == hf[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -401,11 +526,14 @@ def test_cuda_prefill_matches_cpu():
         engine.store = MemoryStore()
         engine.precompute(segs.chunk_ids)
         with no_blended_prefix(engine):
-            outs[device] = [_first(engine, segs, mode).first_token_logits.cpu() for mode in ("full", "blend")]
+            outs[device] = [
+                _first(engine, segs, mode).first_token_logits.cpu() for mode in ("full", "blend")
+            ]
     (cpu_full, cpu_blend), (cuda_full, cuda_blend) = outs["cpu"], outs["cuda"]
     assert (cuda_full - cpu_full).abs().max().item() <= 1e-2
-    kl = torch.nn.functional.kl_div(cuda_blend.log_softmax(-1), cpu_blend.log_softmax(-1), log_target=True,
-                                    reduction="sum").item()
+    kl = torch.nn.functional.kl_div(
+        cuda_blend.log_softmax(-1), cpu_blend.log_softmax(-1), log_target=True, reduction="sum"
+    ).item()
     assert kl < 0.01, f"blend@0.15 first-token KL between CUDA and CPU: {kl}"
 
 
@@ -418,7 +546,9 @@ def test_blend_quality_sits_between_reuse_and_full():
     p_full = torch.softmax(full.first_token_logits, -1)
 
     def kl(res):
-        return torch.sum(p_full * (torch.log(p_full + 1e-12) - torch.log_softmax(res.first_token_logits, -1))).item()
+        return torch.sum(
+            p_full * (torch.log(p_full + 1e-12) - torch.log_softmax(res.first_token_logits, -1))
+        ).item()
 
     with no_blended_prefix(engine):
         kl_reuse = kl(_first(engine, segs, "reuse"))
@@ -445,7 +575,9 @@ def test_query_selection_keeps_the_chunk_rows_the_query_attends_to_most(monkeypa
     engine.precompute(segs.chunk_ids)
     outputs, real_prefill = [], engine_module.run_prefill
 
-    def recording_prefill(*args):  # the real layer loop; keeps its output for the rows it recomputed
+    def recording_prefill(
+        *args,
+    ):  # the real layer loop; keeps its output for the rows it recomputed
         outputs.append(real_prefill(*args))
         return outputs[-1]
 
@@ -468,7 +600,7 @@ def test_query_selection_keeps_the_chunk_rows_the_query_attends_to_most(monkeypa
         cos, sin = hf.model.rotary_emb(x, torch.arange(T)[None])
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         k = k.repeat_interleave(cfg.num_attention_heads // cfg.num_key_value_heads, dim=1)
-        scores = (q[0, :, T - num_query:] @ k[0].transpose(-1, -2)) * head_dim ** -0.5  # [Hq, Q, T]
+        scores = (q[0, :, T - num_query :] @ k[0].transpose(-1, -2)) * head_dim**-0.5  # [Hq, Q, T]
         causal = torch.arange(T)[None, :] <= torch.arange(T - num_query, T)[:, None]
         received = scores.masked_fill(~causal, float("-inf")).softmax(-1).sum(dim=(0, 1))  # [T]
     chunk_rows = torch.arange(len(segs.prefix_ids), T - num_query)
@@ -488,8 +620,15 @@ def test_recorded_query_attention_equals_transformers_attention_weights(num_laye
     segs = _segments(engine, order=(1, 0))
     T = segs.num_tokens
     ids = torch.tensor(segs.token_ids)
-    plan = PrefillPlan(ids, None, None, torch.zeros(T, dtype=torch.bool), torch.arange(T), record_query_attention=True,
-                       num_layers=num_layers)
+    plan = PrefillPlan(
+        ids,
+        None,
+        None,
+        torch.zeros(T, dtype=torch.bool),
+        torch.arange(T),
+        record_query_attention=True,
+        num_layers=num_layers,
+    )
     out = run_prefill(engine.ops, plan, KVCache.allocate(engine.ops, T))
     received = out.query_attention  # [T]
     hf = engine.loaded.hf_model
@@ -497,7 +636,9 @@ def test_recorded_query_attention_equals_transformers_attention_weights(num_laye
     hf.set_attn_implementation("eager")  # the only one that returns attention weights
     try:
         with torch.inference_mode():
-            weights = torch.stack([a[0] for a in hf(ids[None], output_attentions=True).attentions])  # [L, H, T, T]
+            weights = torch.stack(
+                [a[0] for a in hf(ids[None], output_attentions=True).attentions]
+            )  # [L, H, T, T]
     finally:
         hf.set_attn_implementation(implementation)
     if num_layers is None:
@@ -516,20 +657,31 @@ def test_kernel_key_mass_records_what_the_pytorch_recorder_does(monkeypatch):
     import kvblend.blend.blender as blender
 
     engine = embedded_engine("bfloat16")
-    if not isinstance(create_attention(engine.ops, 8), blender.KernelAttention) or \
-            not engine.ops.rows_attention.has_key_mass:
+    if (
+        not isinstance(create_attention(engine.ops, 8), blender.KernelAttention)
+        or not engine.ops.rows_attention.has_key_mass
+    ):
         pytest.skip("no attention kernel that records key mass here")
     segs = _segments(engine, order=(2, 0, 1))
     T, num_layers = segs.num_tokens, 4
-    plan = PrefillPlan(torch.tensor(segs.token_ids), None, None, torch.zeros(T, dtype=torch.bool), torch.arange(T),
-                       record_query_attention=True, num_layers=num_layers)
+    plan = PrefillPlan(
+        torch.tensor(segs.token_ids),
+        None,
+        None,
+        torch.zeros(T, dtype=torch.bool),
+        torch.arange(T),
+        record_query_attention=True,
+        num_layers=num_layers,
+    )
     kernel = run_prefill(engine.ops, plan, KVCache.allocate(engine.ops, T)).query_attention
     monkeypatch.setattr(blender.KernelAttention, "records_key_mass", False)
     pytorch = run_prefill(engine.ops, plan, KVCache.allocate(engine.ops, T)).query_attention
     assert kernel.sum().item() == pytest.approx(num_layers * T * engine.ops.num_heads, rel=1e-3)
     assert (kernel - pytorch).abs().max().item() <= 1e-2 * pytorch.max().item()
     num_top = T * 15 // 100
-    overlap = set(kernel.topk(num_top).indices.tolist()) & set(pytorch.topk(num_top).indices.tolist())
+    overlap = set(kernel.topk(num_top).indices.tolist()) & set(
+        pytorch.topk(num_top).indices.tolist()
+    )
     assert len(overlap) >= 0.95 * num_top
 
 
@@ -537,20 +689,30 @@ def test_a_pass_stopped_early_must_only_record_the_query_attention():
     engine = embedded_engine("float32")
     T, L = 8, engine.ops.num_layers
     record = {"record_query_attention": True}
-    cases = [({"num_layers": 2}, "only records"),
-             ({"num_layers": 2, "check_layers": (1,), "check_keep": (2,), **record}, "without check layers"),
-             ({"check_layers": (1,), "check_keep": (2,), **record}, "without check layers"),
-             ({"num_layers": 0, **record}, "num_layers must be in"),
-             ({"num_layers": L + 1, **record}, "num_layers must be in")]
+    cases = [
+        ({"num_layers": 2}, "only records"),
+        (
+            {"num_layers": 2, "check_layers": (1,), "check_keep": (2,), **record},
+            "without check layers",
+        ),
+        ({"check_layers": (1,), "check_keep": (2,), **record}, "without check layers"),
+        ({"num_layers": 0, **record}, "num_layers must be in"),
+        ({"num_layers": L + 1, **record}, "num_layers must be in"),
+    ]
     for kwargs, message in cases:
-        plan = PrefillPlan(torch.arange(T), None, None, torch.zeros(T, dtype=torch.bool), torch.arange(T), **kwargs)
+        plan = PrefillPlan(
+            torch.arange(T), None, None, torch.zeros(T, dtype=torch.bool), torch.arange(T), **kwargs
+        )
         with pytest.raises(ValueError, match=message):
             run_prefill(engine.ops, plan, KVCache.allocate(engine.ops, T))
 
 
-@pytest.mark.parametrize("configured,requested,pass_layers", [(0, None, None), (6, None, 6), (6, 4, 4)])
-def test_lookahead_recomputes_the_rows_a_reuse_pass_finds_most_attended(monkeypatch, configured, requested,
-                                                                        pass_layers):
+@pytest.mark.parametrize(
+    "configured,requested,pass_layers", [(0, None, None), (6, None, 6), (6, 4, 4)]
+)
+def test_lookahead_recomputes_the_rows_a_reuse_pass_finds_most_attended(
+    monkeypatch, configured, requested, pass_layers
+):
     """lookahead = a reuse pass recording the query's attention (over every layer, or the first
     BlendConfig.lookahead_layers, which a request may override), then a blend recomputing from layer 0
     the chunk rows that attention ranks highest (and the query); accounting counts them as recomputed."""
@@ -563,7 +725,9 @@ def test_lookahead_recomputes_the_rows_a_reuse_pass_finds_most_attended(monkeypa
     engine.precompute(segs.chunk_ids)
     plans, outputs, real_prefill = [], [], engine_module.run_prefill
 
-    def recording_prefill(ops, plan, cache):  # the real layer loop; keeps what it was given and gave
+    def recording_prefill(
+        ops, plan, cache
+    ):  # the real layer loop; keeps what it was given and gave
         plans.append(plan)
         outputs.append(real_prefill(ops, plan, cache))
         return outputs[-1]
@@ -572,15 +736,21 @@ def test_lookahead_recomputes_the_rows_a_reuse_pass_finds_most_attended(monkeypa
     _first(engine, segs, "reuse")  # stores the prefix: the reuse pass computes exactly the query
     plans.clear(), outputs.clear()
     with no_blended_prefix(engine):
-        result = _first(engine, segs, "blend", 0.15, selection="lookahead", lookahead_layers=requested)
+        result = _first(
+            engine, segs, "blend", 0.15, selection="lookahead", lookahead_layers=requested
+        )
     (reuse_pass, blend_pass), num_query = plans, len(segs.query_ids)
-    assert reuse_pass.active_rows.tolist() == list(range(segs.num_tokens - num_query, segs.num_tokens))
+    assert reuse_pass.active_rows.tolist() == list(
+        range(segs.num_tokens - num_query, segs.num_tokens)
+    )
     assert reuse_pass.num_layers == pass_layers
     assert blend_pass.check_layers == () and outputs[1].query_attention is None
     received, kept = outputs[0].query_attention, outputs[1].recomputed_rows
     chunk_rows = torch.arange(len(segs.prefix_ids), segs.num_tokens - num_query)
     assert kept.numel() == num_to_keep(0.15, chunk_rows.numel()) == result.stats.recomputed_tokens
-    assert blend_pass.active_rows.tolist() == sorted(kept.tolist() + reuse_pass.active_rows.tolist())
+    assert blend_pass.active_rows.tolist() == sorted(
+        kept.tolist() + reuse_pass.active_rows.tolist()
+    )
     dropped = chunk_rows[~torch.isin(chunk_rows, kept)]
     assert received[kept].min() >= received[dropped].max()
 
@@ -588,9 +758,15 @@ def test_lookahead_recomputes_the_rows_a_reuse_pass_finds_most_attended(monkeypa
 def test_stop_strings_and_sampling_seed():
     engine = embedded_engine("float32")
     segs = engine.segments([], "Write one sentence about the sea.")
-    free = engine.run(GenerationRequest(segs, SamplingParams(max_tokens=16, ignore_eos=True), mode="full"))
-    stop = free.text[len(free.text) // 2: len(free.text) // 2 + 3]  # a string the greedy output contains
-    res = engine.run(GenerationRequest(segs, SamplingParams(max_tokens=16, stop=[stop]), mode="full"))
+    free = engine.run(
+        GenerationRequest(segs, SamplingParams(max_tokens=16, ignore_eos=True), mode="full")
+    )
+    stop = free.text[
+        len(free.text) // 2 : len(free.text) // 2 + 3
+    ]  # a string the greedy output contains
+    res = engine.run(
+        GenerationRequest(segs, SamplingParams(max_tokens=16, stop=[stop]), mode="full")
+    )
     assert res.finish_reason == "stop" and res.text == free.text[: free.text.find(stop)]
     p = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=7)
     r1 = engine.run(GenerationRequest(segs, p, mode="full")).token_ids
@@ -610,7 +786,10 @@ def test_bad_input_is_rejected_and_leaves_store_clean():
         _first(engine, segs, "turbo")
     with pytest.raises(ValueError, match=r"within \[0, 1\]"):
         _first(engine, segs, "blend", 1.5)
-    with pytest.raises(ValueError, match="unknown token selection 'best'; expected one of deviation, query, lookahead"):
+    with pytest.raises(
+        ValueError,
+        match="unknown token selection 'best'; expected one of deviation, query, lookahead",
+    ):
         _first(engine, segs, "blend", 0.15, selection="best")
     with pytest.raises(ContextLengthError, match="maximum context length is 8192"):
         engine.run(GenerationRequest(segs, SamplingParams(max_tokens=8192), mode="blend"))
@@ -642,7 +821,9 @@ def test_auto_dtype_is_bf16_only_where_it_is_native(monkeypatch):
     assert ModelConfig().dtype == "bfloat16"
     monkeypatch.setattr(config, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     assert ModelConfig(dtype="auto").dtype == "bfloat16"
-    monkeypatch.setattr(config, "cpu_flags", lambda: {"avx512f", "avx2", "fma"})  # AVX-512 without BF16
+    monkeypatch.setattr(
+        config, "cpu_flags", lambda: {"avx512f", "avx2", "fma"}
+    )  # AVX-512 without BF16
     assert ModelConfig(dtype="auto").dtype == "float32"
     assert ModelConfig(dtype="bfloat16").dtype == "bfloat16"
     assert ModelConfig(dtype="float32").dtype == "float32"  # explicit choices are kept
@@ -650,8 +831,10 @@ def test_auto_dtype_is_bf16_only_where_it_is_native(monkeypatch):
         ModelConfig(dtype="int8")
 
 
-@pytest.mark.parametrize("num_rows,max_rows", [(16, 4096), (4096, 4096), (4112, 4096), (6256, 4096), (6256, 2048),
-                                               (20000, 4096), (33, 16)])
+@pytest.mark.parametrize(
+    "num_rows,max_rows",
+    [(16, 4096), (4096, 4096), (4112, 4096), (6256, 4096), (6256, 2048), (20000, 4096), (33, 16)],
+)
 def test_mlp_row_blocks_cover_every_row_once(num_rows, max_rows, monkeypatch):
     from kvblend.models import transformer
 

@@ -20,9 +20,17 @@ from kvblend.bench.data import DEFAULT_MUSIQUE, load_musique
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _kvblend(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvblend.cli", *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {})}, cwd=cwd)
+def _kvblend(
+    *args: str, env: dict | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvblend.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+    )
 
 
 def test_evaluation_data_ships_in_the_package_with_its_licence():
@@ -36,10 +44,19 @@ def test_evaluation_data_ships_in_the_package_with_its_licence():
 
 def test_nothing_reads_a_folder_beside_the_clone():
     pattern = re.compile(r"\.\./shared|parents\[2\]\s*/\s*\"shared\"|parent\s*/\s*\"shared\"")
-    files = [*REPO.glob("kvblend/**/*.py"), *REPO.glob("tests/*.py"), *REPO.glob("scripts/**/*.py"),
-             *REPO.glob("scripts/**/*.sh"), REPO / "Makefile", REPO / ".ci" / "run"]
-    offenders = [f.relative_to(REPO) for f in files
-                 if f != Path(__file__) and pattern.search(f.read_text(errors="replace"))]
+    files = [
+        *REPO.glob("kvblend/**/*.py"),
+        *REPO.glob("tests/*.py"),
+        *REPO.glob("scripts/**/*.py"),
+        *REPO.glob("scripts/**/*.sh"),
+        REPO / "Makefile",
+        REPO / ".ci" / "run",
+    ]
+    offenders = [
+        f.relative_to(REPO)
+        for f in files
+        if f != Path(__file__) and pattern.search(f.read_text(errors="replace"))
+    ]
     assert offenders == []
 
 
@@ -61,15 +78,18 @@ def test_store_ls_and_stats_on_an_empty_store(tmp_path):
     tiers = json.loads(stats.stdout)
     assert list(tiers) == ["memory", "disk"]  # the tiers the server would use, in its order
     assert "budget" in tiers["memory"]["note"] and tiers["disk"]["entries"] == 0
-    only_memory = json.loads(_kvblend("store", "stats", "--json",
-                                      env={"KVBLEND_STORE_TIERS": "memory"}).stdout)
+    only_memory = json.loads(
+        _kvblend("store", "stats", "--json", env={"KVBLEND_STORE_TIERS": "memory"}).stdout
+    )
     assert list(only_memory) == ["memory"]
 
 
 def test_store_stats_follows_the_server_config_file(tmp_path):
     config = tmp_path / "server.yaml"
-    config.write_text(f"store: {{tiers: [memory, disk], disk_dir: {tmp_path / 'disk-kv'}, "
-                      f"memory_bytes: 3221225472}}\n")
+    config.write_text(
+        f"store: {{tiers: [memory, disk], disk_dir: {tmp_path / 'disk-kv'}, "
+        f"memory_bytes: 3221225472}}\n"
+    )
     tiers = json.loads(_kvblend("store", "stats", "--json", "--config", str(config)).stdout)
     assert list(tiers) == ["memory", "disk"] and "3.0 GiB" in tiers["memory"]["note"]
 
@@ -90,7 +110,8 @@ def test_serve_reports_a_busy_port_before_loading_weights():
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == (
         f"kvblend serve: error: port {port} on 127.0.0.1 is already in use (another server?); "
-        "choose another with --port")
+        "choose another with --port"
+    )
     assert "Loading weights" not in r.stderr
 
 
@@ -100,7 +121,7 @@ def test_client_key_variable_does_not_switch_server_auth_on(kvblend_server_facto
     assert r.status_code == 200  # auth stays off: the variable is the client's
     logs = server.logs()
     assert "no longer turns server auth on" in logs
-    summary = logs[logs.index("kvblend " + kvblend.__version__ + " serving at"):]
+    summary = logs[logs.index("kvblend " + kvblend.__version__ + " serving at") :]
     assert f"serving at {server.base_url}/v1" in summary
     assert re.search(r"model smollm2-135m-instruct: \w+ on cpu, attention \w+, blend@0.15", summary)
     assert "auth: off" in summary and "store: memory " in summary
@@ -113,7 +134,12 @@ def test_server_key_variables(monkeypatch, capsys):
 
     monkeypatch.setattr(env, "_warned", set())  # each warning prints once a process
 
-    for var in ("KVBLEND_API_KEY", "KVBLEND_API_KEYS", "KVBLEND_SERVER_API_KEYS", "KVBLEND_CLIENT_API_KEY"):
+    for var in (
+        "KVBLEND_API_KEY",
+        "KVBLEND_API_KEYS",
+        "KVBLEND_SERVER_API_KEYS",
+        "KVBLEND_CLIENT_API_KEY",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("KVBLEND_API_KEY", "sk-client")
     assert load_server_config().api_keys == []
@@ -124,7 +150,11 @@ def test_server_key_variables(monkeypatch, capsys):
     monkeypatch.setenv("KVBLEND_SERVER_API_KEYS", "sk-a:team-a,sk-b")
     monkeypatch.setenv("KVBLEND_API_KEYS", "sk-old")
     keys = load_server_config().api_keys
-    assert [(k.key, k.namespace) for k in keys] == [("sk-a", "team-a"), ("sk-b", ""), ("sk-old", "")]
+    assert [(k.key, k.namespace) for k in keys] == [
+        ("sk-a", "team-a"),
+        ("sk-b", ""),
+        ("sk-old", ""),
+    ]
 
 
 def test_model_settings_from_the_environment(monkeypatch):
@@ -144,7 +174,9 @@ def test_model_settings_from_the_environment(monkeypatch):
 
 def test_benchmark_docs_are_generated_from_the_results():
     r = _kvblend("bench", "report", "--check", cwd=REPO)
-    assert r.returncode == 0, r.stderr  # docs/benchmarks.md and the README headline match bench/results
+    assert r.returncode == 0, (
+        r.stderr
+    )  # docs/benchmarks.md and the README headline match bench/results
 
 
 def test_report_renders_every_kind_of_result(tmp_path):

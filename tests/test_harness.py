@@ -18,13 +18,27 @@ KEY = STANDIN_KEY
 # Three MuSiQue-shaped examples. The stand-in answers "Paris" ("London Bridge" in mode reuse), so with
 # these golds full-prefill F1 is (1 + 1 + 0) / 3: "the paris" normalises to "paris".
 EXAMPLES = [
-    {"question": "Capital of France?", "answers": ["Paris"],
-     "ctxs": [{"title": f"Doc {i}", "text": f"Passage {i} line one.\nLine two of passage {i} with words."}
-              for i in range(4)]},
-    {"question": "City of lights?", "answers": ["the paris", "Lutetia"],
-     "ctxs": [{"title": "", "text": f"Untitled passage {i} about a city."} for i in range(4, 8)]},
-    {"question": "Capital of Italy?", "answers": ["Rome"],
-     "ctxs": [{"title": f"Doc {i}", "text": f"Passage {i} about Italy."} for i in range(8, 12)]},
+    {
+        "question": "Capital of France?",
+        "answers": ["Paris"],
+        "ctxs": [
+            {
+                "title": f"Doc {i}",
+                "text": f"Passage {i} line one.\nLine two of passage {i} with words.",
+            }
+            for i in range(4)
+        ],
+    },
+    {
+        "question": "City of lights?",
+        "answers": ["the paris", "Lutetia"],
+        "ctxs": [{"title": "", "text": f"Untitled passage {i} about a city."} for i in range(4, 8)],
+    },
+    {
+        "question": "Capital of Italy?",
+        "answers": ["Rome"],
+        "ctxs": [{"title": f"Doc {i}", "text": f"Passage {i} about Italy."} for i in range(8, 12)],
+    },
 ]
 
 
@@ -41,8 +55,16 @@ def dataset(tmp_path) -> Path:
 @pytest.fixture
 def auth(server, tmp_path) -> Path:
     path = tmp_path / "auth.json"
-    path.write_text(json.dumps({"base_url": server.base_url, "api_key": KEY, "model_id": "standin-a",
-                                "profiles": {"second": {"model_id": "standin-b"}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "base_url": server.base_url,
+                "api_key": KEY,
+                "model_id": "standin-a",
+                "profiles": {"second": {"model_id": "standin-b"}},
+            }
+        )
+    )
     return path
 
 
@@ -61,21 +83,27 @@ def only_json(out_dir: Path, kind: str) -> dict:
 # --- metrics ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pred, gold, expected", [
-    ("Paris", "paris", 1.0),
-    ("The Eiffel Tower!", "eiffel tower", 1.0),  # case, punctuation and articles do not count
-    ("Paris France", "Paris", 2 / 3),  # precision 1/2, recall 1 -> F1 2/3
-    ("New York City", "York", 0.5),
-    ("London", "Paris", 0.0),
-    ("", "Paris", 0.0),
-    ("the", "a", 1.0),  # both normalise to nothing: SQuAD counts that as a match
-])
+@pytest.mark.parametrize(
+    "pred, gold, expected",
+    [
+        ("Paris", "paris", 1.0),
+        ("The Eiffel Tower!", "eiffel tower", 1.0),  # case, punctuation and articles do not count
+        ("Paris France", "Paris", 2 / 3),  # precision 1/2, recall 1 -> F1 2/3
+        ("New York City", "York", 0.5),
+        ("London", "Paris", 0.0),
+        ("", "Paris", 0.0),
+        ("the", "a", 1.0),  # both normalise to nothing: SQuAD counts that as a match
+    ],
+)
 def test_f1(pred, gold, expected):
     assert metrics.f1_score(pred, gold) == pytest.approx(expected)
 
 
 def test_max_over_golds_and_em():
-    assert metrics.max_over_golds(metrics.f1_score, "Exeter College", ["Oxford", "Exeter College"]) == 1.0
+    assert (
+        metrics.max_over_golds(metrics.f1_score, "Exeter College", ["Oxford", "Exeter College"])
+        == 1.0
+    )
     assert metrics.max_over_golds(metrics.f1_score, "x", []) == 0.0
     assert metrics.exact_match("An apple.", "apple") == 1.0
     assert metrics.normalize_answer("  The  Quick, brown fox! ") == "quick brown fox"
@@ -149,8 +177,27 @@ def test_scenario_prompts():
 
 def test_bench_ttft_writes_three_scenarios(server, auth, dataset, tmp_path, capsys):
     out_dir = tmp_path / "results"
-    args = parse(ttft, ["--auth", str(auth), "--profile", "second", "--data", str(dataset), "--rounds", "2",
-                        "--docs", "3", "--concurrency", "2", "--mode", "blend@0.15", "--out-dir", str(out_dir)])
+    args = parse(
+        ttft,
+        [
+            "--auth",
+            str(auth),
+            "--profile",
+            "second",
+            "--data",
+            str(dataset),
+            "--rounds",
+            "2",
+            "--docs",
+            "3",
+            "--concurrency",
+            "2",
+            "--mode",
+            "blend@0.15",
+            "--out-dir",
+            str(out_dir),
+        ],
+    )
     assert ttft.run(args) == 0
     report = only_json(out_dir, "ttft")
     assert KEY not in json.dumps(report)
@@ -159,19 +206,45 @@ def test_bench_ttft_writes_three_scenarios(server, auth, dataset, tmp_path, caps
     assert set(ep["scenarios"]) == set(ttft.SCENARIOS)
     for s in ep["scenarios"].values():
         assert s["requests"] == 2 and s["errors"] == 0 and s["ttft_ms"]["p95"] is not None
-    assert ep["scenarios"]["prefix_hit"]["cached_share"] > 0.5  # warm-up filled the stand-in's chunk cache
+    assert (
+        ep["scenarios"]["prefix_hit"]["cached_share"] > 0.5
+    )  # warm-up filled the stand-in's chunk cache
     assert ep["scenarios"]["shuffled"]["cached_share"] > 0.5
     assert ep["scenarios"]["full_recompute"]["cached_share"] == 0
     assert list(out_dir.glob("ttft-*.png"))
     assert "| second | prefix_hit |" in capsys.readouterr().out
-    assert server.requests()[-1]["mode"] == "blend" and server.requests()[-1]["recompute_ratio"] == 0.15
+    assert (
+        server.requests()[-1]["mode"] == "blend"
+        and server.requests()[-1]["recompute_ratio"] == 0.15
+    )
 
 
 def test_bench_ttft_side_by_side_profiles(server, auth, dataset, tmp_path):
     out_dir = tmp_path / "results"
-    args = parse(ttft, ["--auth", str(auth), "--profile", "second", "--profile", "second", "--data", str(dataset),
-                        "--rounds", "1", "--docs", "2", "--warmup", "0", "--scenarios", "full_recompute",
-                        "--out-dir", str(out_dir), "--no-plot"])
+    args = parse(
+        ttft,
+        [
+            "--auth",
+            str(auth),
+            "--profile",
+            "second",
+            "--profile",
+            "second",
+            "--data",
+            str(dataset),
+            "--rounds",
+            "1",
+            "--docs",
+            "2",
+            "--warmup",
+            "0",
+            "--scenarios",
+            "full_recompute",
+            "--out-dir",
+            str(out_dir),
+            "--no-plot",
+        ],
+    )
     assert ttft.run(args) == 0
     names = [ep["endpoint"]["name"] for ep in only_json(out_dir, "ttft")["endpoints"]]
     assert names == ["second", "second#2"]
@@ -179,15 +252,30 @@ def test_bench_ttft_side_by_side_profiles(server, auth, dataset, tmp_path):
 
 def test_eval_three_examples_f1_and_agreement(server, auth, dataset, tmp_path, capsys):
     out_dir = tmp_path / "results"
-    args = parse(eval_cli, ["--auth", str(auth), "--data", str(dataset), "--limit", "3",
-                            "--modes", "full,reuse,blend@0.5", "--out-dir", str(out_dir)])
+    args = parse(
+        eval_cli,
+        [
+            "--auth",
+            str(auth),
+            "--data",
+            str(dataset),
+            "--limit",
+            "3",
+            "--modes",
+            "full,reuse,blend@0.5",
+            "--out-dir",
+            str(out_dir),
+        ],
+    )
     assert eval_cli.run(args) == 0
     report = only_json(out_dir, "eval")
     modes = report["endpoints"][0]["modes"]
     assert modes["full"]["f1"] == pytest.approx(2 / 3)
     assert modes["reuse"]["f1"] == 0.0  # "London Bridge"
     assert modes["reuse"]["agree_em"] == 0.0 and modes["reuse"]["agree_rougeL"] == 0.0
-    assert modes["blend@0.5"]["agree_em"] == 1.0 and modes["blend@0.5"]["f1"] == pytest.approx(2 / 3)
+    assert modes["blend@0.5"]["agree_em"] == 1.0 and modes["blend@0.5"]["f1"] == pytest.approx(
+        2 / 3
+    )
     assert all(m["ttft_ms"]["n"] == 3 and m["rougeL"] is not None for m in modes.values())
     records = report["endpoints"][0]["records"]
     assert {r["mode"] for r in records} == {"full", "reuse", "blend@0.5"} and len(records) == 9
@@ -197,9 +285,29 @@ def test_eval_three_examples_f1_and_agreement(server, auth, dataset, tmp_path, c
 
 def test_bench_load_small(server, auth, dataset, tmp_path):
     out_dir = tmp_path / "results"
-    args = parse(load, ["--auth", str(auth), "--data", str(dataset), "--rates", "20,50", "--requests", "3",
-                        "--duration", "2", "--docs", "2", "--pool", "4", "--modes", "full,blend@0.15",
-                        "--out-dir", str(out_dir)])
+    args = parse(
+        load,
+        [
+            "--auth",
+            str(auth),
+            "--data",
+            str(dataset),
+            "--rates",
+            "20,50",
+            "--requests",
+            "3",
+            "--duration",
+            "2",
+            "--docs",
+            "2",
+            "--pool",
+            "4",
+            "--modes",
+            "full,blend@0.15",
+            "--out-dir",
+            str(out_dir),
+        ],
+    )
     assert load.run(args) == 0
     ep = only_json(out_dir, "load")["endpoints"][0]
     assert set(ep["modes"]) == {"full", "blend@0.15"} and set(ep["knees"]) == {"full", "blend@0.15"}
@@ -219,9 +327,20 @@ def test_poisson_arrivals_bounded():
 
 def test_knee():
     def run(rate, p95, errors=0):
-        return {"rate": rate, "dropped": 0, "errors": errors, "timeouts": 0, "completed": 5,
-                "ttft_ms": {"p95": p95}, "arrival_rps": rate, "throughput_rps": rate}
+        return {
+            "rate": rate,
+            "dropped": 0,
+            "errors": errors,
+            "timeouts": 0,
+            "completed": 5,
+            "ttft_ms": {"p95": p95},
+            "arrival_rps": rate,
+            "throughput_rps": rate,
+        }
 
-    assert load.find_knee([run(1, 100), run(2, 150), run(4, 500)], 2.0) == {"knee_rps": 2, "saturated_at": 4}
+    assert load.find_knee([run(1, 100), run(2, 150), run(4, 500)], 2.0) == {
+        "knee_rps": 2,
+        "saturated_at": 4,
+    }
     assert load.find_knee([run(1, 100), run(2, 120)], 2.0) == {"knee_rps": 2, "saturated_at": None}
     assert load.find_knee([run(1, 100, errors=1)], 2.0) == {"knee_rps": None, "saturated_at": 1}

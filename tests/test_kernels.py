@@ -16,15 +16,22 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from engine_fixtures import embedded_engine, musique_docs
+
 from kvblend.config import EngineConfig, ModelConfig
 from kvblend.engine.engine import create_engine
 from kvblend.engine.request import GenerationRequest, SamplingParams
-from kvblend.kernels import KERNEL_SPECS, KERNELS_BY_NAME, KernelUnavailable, dtype_name, load_rows_attention
+from kvblend.kernels import (
+    KERNEL_SPECS,
+    KERNELS_BY_NAME,
+    KernelUnavailable,
+    dtype_name,
+    load_rows_attention,
+)
 from kvblend.kernels.selfcheck import check_key_mass, reference_key_mass
+from kvblend.kernels.selfcheck import rope_half_tables as _rope_half
+from kvblend.kernels.selfcheck import rotate as _rotate
 from kvblend.models.transformer import TransformerOps
-from kvblend.kernels.selfcheck import rope_half_tables as _rope_half, rotate as _rotate
 
 # output atol, rotated-key (atol, rtol) per kernel dtype
 TOLERANCES = {torch.bfloat16: (3e-2, (1 / 64, 1 / 128)), torch.float32: (1e-4, (1e-5, 1e-5))}
@@ -50,7 +57,9 @@ def kernel(request, tmp_path_factory):
 @pytest.fixture(scope="module", params=[spec.name for spec in KERNEL_SPECS])
 def kernel128(request, tmp_path_factory):
     """Each build at head_dim 128 (Qwen2.5-1.5B, Llama-3-8B, Mistral-7B, Qwen2.5-7B)."""
-    return load_or_skip(KERNELS_BY_NAME[request.param], tmp_path_factory.mktemp("kvblend-cache"), 128)
+    return load_or_skip(
+        KERNELS_BY_NAME[request.param], tmp_path_factory.mktemp("kvblend-cache"), 128
+    )
 
 
 def _reference(q, k, v, positions, rope):
@@ -61,8 +70,9 @@ def _reference(q, k, v, positions, rope):
     q_rot = _rotate(q.transpose(0, 1), cos[positions], sin[positions])  # [Hq, A, d]
     mask = torch.arange(num_keys)[None, :] <= positions[:, None]
     k_seen = k_rot.to(k.dtype).double()  # the kernel attends its own rounding of the rotated keys
-    out = F.scaled_dot_product_attention(q_rot.double()[None], k_seen[None], v.double()[None],
-                                         attn_mask=mask, enable_gqa=True)[0]  # [Hq, A, d]
+    out = F.scaled_dot_product_attention(
+        q_rot.double()[None], k_seen[None], v.double()[None], attn_mask=mask, enable_gqa=True
+    )[0]  # [Hq, A, d]
     return out.transpose(0, 1).reshape(len(positions), -1).float(), k_rot
 
 
@@ -75,12 +85,15 @@ def _run(kernel, q, k, v, positions, rope, num_threads=2):
     return out, k_rot
 
 
-@pytest.mark.parametrize("num_keys,num_rows,num_kv_heads,rep", [
-    (6254, 955, 3, 3),   # a blend@0.15 layer of the embedded model: scattered rows
-    (700, 700, 2, 7),    # every row (full prefill), Qwen2-0.5B's grouping
-    (200, 33, 1, 1),     # no GQA, rows not a multiple of a tile
-    (45, 1, 3, 3),       # one row: the last token
-])
+@pytest.mark.parametrize(
+    "num_keys,num_rows,num_kv_heads,rep",
+    [
+        (6254, 955, 3, 3),  # a blend@0.15 layer of the embedded model: scattered rows
+        (700, 700, 2, 7),  # every row (full prefill), Qwen2-0.5B's grouping
+        (200, 33, 1, 1),  # no GQA, rows not a multiple of a tile
+        (45, 1, 3, 3),  # one row: the last token
+    ],
+)
 def test_rows_attention_matches_fp32_reference(kernel, num_keys, num_rows, num_kv_heads, rep):
     gen = torch.Generator().manual_seed(num_keys)
     k = torch.randn(num_kv_heads, num_keys, 64, generator=gen).to(kernel.dtype)
@@ -107,7 +120,11 @@ def test_rows_never_see_a_later_key(kernel):
     positions = torch.tensor([0, 1, 5, 17, 40, 41, 42, 130, 131, 257, 500, 640, 641, 999])
     q = torch.zeros(len(positions), 3, 64, dtype=kernel.dtype)
     k = torch.randn(1, num_keys, 64).to(kernel.dtype)
-    v = (torch.arange(num_keys).float() / num_keys)[None, :, None].expand(1, num_keys, 64).to(kernel.dtype)
+    v = (
+        (torch.arange(num_keys).float() / num_keys)[None, :, None]
+        .expand(1, num_keys, 64)
+        .to(kernel.dtype)
+    )
     out, _ = _run(kernel, q, k, v.contiguous(), positions, None)
     expected = (positions.float() / 2 / num_keys)[:, None].expand(-1, 3 * 64)
     torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=1e-2)
@@ -136,19 +153,26 @@ def test_bad_arguments_are_rejected(kernel):
     out = torch.empty(2, 64, dtype=kernel.dtype)
     scratch = torch.empty(kernel.scratch_bytes(10, 1), dtype=torch.uint8)
     with pytest.raises(ValueError, match="positions"):
-        kernel(q, k, k, None, None, torch.tensor([3, 20]), 0.125, out, scratch, 1)  # a row past the keys
+        kernel(
+            q, k, k, None, None, torch.tensor([3, 20]), 0.125, out, scratch, 1
+        )  # a row past the keys
     other = torch.float16
     with pytest.raises(ValueError, match=f"{dtype_name(kernel.dtype)} CPU tensor"):
         kernel(q.to(other), k, k, None, None, torch.tensor([3, 4]), 0.125, out, scratch, 1)
 
 
-@pytest.mark.parametrize("num_keys,num_rows,rep", [
-    (6254, 30, 3),   # lookahead's reuse pass on the embedded model: the query rows at the end
-    (700, 700, 7),   # every row, Qwen2-0.5B's grouping (tiles of several positions)
-    (300, 37, 3),    # scattered rows; the last key step is partial
-    (33, 1, 1),      # one row, one key past a block
-])
-def test_key_mass_is_the_softmax_probabilities_summed_over_rows_and_heads(kernel, num_keys, num_rows, rep):
+@pytest.mark.parametrize(
+    "num_keys,num_rows,rep",
+    [
+        (6254, 30, 3),  # lookahead's reuse pass on the embedded model: the query rows at the end
+        (700, 700, 7),  # every row, Qwen2-0.5B's grouping (tiles of several positions)
+        (300, 37, 3),  # scattered rows; the last key step is partial
+        (33, 1, 1),  # one row, one key past a block
+    ],
+)
+def test_key_mass_is_the_softmax_probabilities_summed_over_rows_and_heads(
+    kernel, num_keys, num_rows, rep
+):
     """key_mass (the bf16 builds): each key's attention probability summed over rows and query heads, the
     ranking lookahead's reuse pass records, against fp32 softmax fed the kernel's bf16 rotated queries
     (selfcheck.KEY_MASS_RTOL). Every row's probabilities sum to 1, so the mass sums to rows x heads."""
@@ -157,7 +181,9 @@ def test_key_mass_is_the_softmax_probabilities_summed_over_rows_and_heads(kernel
     gen = torch.Generator().manual_seed(num_keys)
     k = torch.randn(2, num_keys, 64, generator=gen).to(kernel.dtype)
     v = torch.randn(2, num_keys, 64, generator=gen).to(kernel.dtype)
-    q = (torch.randn(num_rows, 2 * rep, 64, generator=gen) * 3).to(kernel.dtype)  # peaked: the max moves
+    q = (torch.randn(num_rows, 2 * rep, 64, generator=gen) * 3).to(
+        kernel.dtype
+    )  # peaked: the max moves
     positions = torch.randperm(num_keys, generator=gen)[:num_rows].sort().values
     if num_rows == num_keys or num_rows == 30:
         positions = torch.arange(num_keys - num_rows, num_keys)
@@ -172,8 +198,12 @@ def test_key_mass_is_the_softmax_probabilities_summed_over_rows_and_heads(kernel
     scratch = torch.empty(kernel.scratch_bytes(num_keys, 2), dtype=torch.uint8)
     kernel(q, k, v, None, rope, positions, 1 / 8, out, scratch, 2, key_mass=mass)
     assert mass.sum().item() == pytest.approx(num_rows * 2 * rep, rel=1e-4)
-    assert mass[int(positions[-1]) + 1:].abs().sum().item() == 0  # no row reads a key after its position
-    assert torch.equal(out, _run(kernel, q, k, v, positions, rope)[0])  # recording leaves the output alone
+    assert (
+        mass[int(positions[-1]) + 1 :].abs().sum().item() == 0
+    )  # no row reads a key after its position
+    assert torch.equal(
+        out, _run(kernel, q, k, v, positions, rope)[0]
+    )  # recording leaves the output alone
 
 
 def test_key_mass_is_refused_with_a_wrong_buffer_or_build(kernel):
@@ -187,7 +217,9 @@ def test_key_mass_is_refused_with_a_wrong_buffer_or_build(kernel):
             kernel(q, k, k, None, None, positions, 0.125, out, scratch, 1, key_mass=torch.zeros(10))
         return
     for bad in (torch.zeros(9), torch.zeros(10, dtype=torch.float64), torch.zeros(20)[::2]):
-        with pytest.raises(ValueError, match=r"key_mass must be a contiguous float32 CPU tensor \[10\]"):
+        with pytest.raises(
+            ValueError, match=r"key_mass must be a contiguous float32 CPU tensor \[10\]"
+        ):
             kernel(q, k, k, None, None, positions, 0.125, out, scratch, 1, key_mass=bad)
 
 
@@ -210,10 +242,16 @@ def test_linear_matches_fp32_math_rounded_once(kernel, num_rows):
     no_bias = kernel.linear(x, kernel.pack_linear(w), 1)  # one thread, no bias
     assert bool(((no_bias.float() - (ref - bias.float())).abs() <= ulp + 1 / 128).all())
     residual = torch.randn(num_rows, 576, generator=gen).to(kernel.dtype)
-    summed = kernel.linear(x, kernel.pack_linear(w, bias), 2, residual)  # rounded product, then the add
+    summed = kernel.linear(
+        x, kernel.pack_linear(w, bias), 2, residual
+    )  # rounded product, then the add
     assert torch.equal(summed, residual + out)
-    into = torch.zeros(num_rows, 640, dtype=kernel.dtype)[:, :576]  # a caller's rows (an MLP row block)
-    assert kernel.linear(x, kernel.pack_linear(w, bias), 2, residual, into) is into and torch.equal(into, summed)
+    into = torch.zeros(num_rows, 640, dtype=kernel.dtype)[
+        :, :576
+    ]  # a caller's rows (an MLP row block)
+    assert kernel.linear(x, kernel.pack_linear(w, bias), 2, residual, into) is into and torch.equal(
+        into, summed
+    )
 
 
 def test_packed_columns_project_like_the_weight_rows_they_cover(kernel):
@@ -229,7 +267,10 @@ def test_packed_columns_project_like_the_weight_rows_they_cover(kernel):
     for start, end in ((0, 96), (96, 128), (128, 160), (32, 160)):
         part = packed.columns(start, end)
         assert part.num_out == end - start and part.packed.data_ptr() > 0
-        assert torch.equal(kernel.linear(x, part, 2), kernel.linear(x, kernel.pack_linear(w[start:end], bias[start:end]), 2))
+        assert torch.equal(
+            kernel.linear(x, part, 2),
+            kernel.linear(x, kernel.pack_linear(w[start:end], bias[start:end]), 2),
+        )
     for start, end in ((0, 40), (16, 64), (96, 96), (0, 192)):
         with pytest.raises(ValueError, match="multiples of 32"):
             packed.columns(start, end)
@@ -238,7 +279,9 @@ def test_packed_columns_project_like_the_weight_rows_they_cover(kernel):
 def test_linear_refuses_shapes_it_does_not_take(kernel):
     if not kernel.has_linear:
         pytest.skip(f"the {kernel.name} build has no linear kernel")
-    assert kernel.pack_linear(torch.zeros(40, 64, dtype=kernel.dtype)) is None  # outputs not a multiple of 32
+    assert (
+        kernel.pack_linear(torch.zeros(40, 64, dtype=kernel.dtype)) is None
+    )  # outputs not a multiple of 32
     packed = kernel.pack_linear(torch.zeros(64, 64, dtype=kernel.dtype))
     with pytest.raises(ValueError, match=r"\[M, 64\]"):
         kernel.linear(torch.zeros(3, 32, dtype=kernel.dtype), packed, 1)
@@ -255,10 +298,17 @@ def test_decode_attention_matches_fp32_reference(kernel, num_keys, num_kv_heads,
     gen = torch.Generator().manual_seed(num_keys * 10 + rep)
     cache_k = torch.randn(num_kv_heads, num_keys + 40, 64, generator=gen).to(kernel.dtype)
     cache_v = torch.randn(num_kv_heads, num_keys + 40, 64, generator=gen).to(kernel.dtype)
-    q = torch.randn(num_kv_heads * rep, 3, 64, generator=gen).mul(2).to(kernel.dtype)[:, 2]  # [Hq, d], strided
+    q = (
+        torch.randn(num_kv_heads * rep, 3, 64, generator=gen).mul(2).to(kernel.dtype)[:, 2]
+    )  # [Hq, d], strided
     k, v = cache_k[:, :num_keys], cache_v[:, :num_keys]
-    ref = F.scaled_dot_product_attention(q.double()[None, :, None], k.double()[None], v.double()[None],
-                                         enable_gqa=True)[0].reshape(1, -1).float()
+    ref = (
+        F.scaled_dot_product_attention(
+            q.double()[None, :, None], k.double()[None], v.double()[None], enable_gqa=True
+        )[0]
+        .reshape(1, -1)
+        .float()
+    )
     for num_threads in (1, 2):
         out = kernel.decode_attention(q, k, v, 1 / 8, num_threads)
         assert out.shape == (1, num_kv_heads * rep * 64)
@@ -269,7 +319,9 @@ def test_decode_attention_refuses_what_it_does_not_take(kernel):
     if not kernel.has_decode:
         pytest.skip(f"the {kernel.name} build has no decode kernel")
     k = torch.zeros(2, 10, 64, dtype=kernel.dtype)
-    with pytest.raises(ValueError, match="rejected"):  # 17 query heads a KV head: more than it keeps
+    with pytest.raises(
+        ValueError, match="rejected"
+    ):  # 17 query heads a KV head: more than it keeps
         kernel.decode_attention(torch.zeros(34, 64, dtype=kernel.dtype), k, k, 0.125, 1)
     with pytest.raises(ValueError, match=r"k, v \[Hkv, n, d\] alike"):
         kernel.decode_attention(torch.zeros(4, 64, dtype=kernel.dtype), k, k[:, :9], 0.125, 1)
@@ -285,11 +337,17 @@ def test_engine_decoding_with_kernel_matches_sdpa(kernel, monkeypatch):
     engine = embedded_engine(dtype_name(kernel.dtype), attention_kernel=kernel.name)
     docs, question = musique_docs(0, 4)
     segs = engine.segments(docs, question, instruction="Answer from the passages.\n\n")
-    request = lambda: GenerationRequest(segs, SamplingParams(max_tokens=12, ignore_eos=True), mode="full")
+
+    def request() -> GenerationRequest:
+        return GenerationRequest(segs, SamplingParams(max_tokens=12, ignore_eos=True), mode="full")
+
     native = engine.run(request())
     sdpa = TransformerOps.decode_attend
-    monkeypatch.setattr(TransformerOps, "decode_attend",
-                        lambda self, q, k, v: self.attend(q[:, None], k, v, mask=None, causal=False))
+    monkeypatch.setattr(
+        TransformerOps,
+        "decode_attend",
+        lambda self, q, k, v: self.attend(q[:, None], k, v, mask=None, causal=False),
+    )
     reference = engine.run(request())
     monkeypatch.setattr(TransformerOps, "decode_attend", sdpa)
     assert native.token_ids == reference.token_ids and len(native.token_ids) == 12
@@ -361,7 +419,9 @@ def test_engine_prefill_with_kernel_matches_pytorch_kernels(kernel):
     dtype = dtype_name(kernel.dtype)
     native = embedded_engine(dtype, attention_kernel=kernel.name)
     assert native.attention_kernel == kernel.name
-    ref = create_engine(EngineConfig(model=ModelConfig(dtype=dtype, num_threads=2, attention_kernel="torch")))
+    ref = create_engine(
+        EngineConfig(model=ModelConfig(dtype=dtype, num_threads=2, attention_kernel="torch"))
+    )
     assert ref.attention_kernel == "torch"
     docs, question = musique_docs(1, 4)
     for engine in (native, ref):
@@ -372,7 +432,11 @@ def test_engine_prefill_with_kernel_matches_pytorch_kernels(kernel):
             segs = engine.segments(docs, question, instruction="Answer from the passages.\n\n")
             engine.precompute(segs.chunk_ids)
             for mode in ("full", "blend"):
-                res = engine.run(GenerationRequest(segs, SamplingParams(max_tokens=1), mode=mode, recompute_ratio=0.15))
+                res = engine.run(
+                    GenerationRequest(
+                        segs, SamplingParams(max_tokens=1), mode=mode, recompute_ratio=0.15
+                    )
+                )
                 results[(name, mode)] = res.first_token_logits
         for mode in ("full", "blend"):
             a, b = results[("native", mode)], results[("torch", mode)]
@@ -391,7 +455,9 @@ def test_attention_kernel_setting():
     with pytest.raises(ValueError, match="float32 only"):
         create_engine(EngineConfig(model=ModelConfig(dtype="bfloat16", attention_kernel="avx2")))
     with pytest.raises(ValueError, match="bfloat16 only"):
-        create_engine(EngineConfig(model=ModelConfig(dtype="float32", attention_kernel="avx512bf16")))
+        create_engine(
+            EngineConfig(model=ModelConfig(dtype="float32", attention_kernel="avx512bf16"))
+        )
 
 
 def test_bf16_falls_back_to_avx512bf16_when_the_amx_build_fails(tmp_path, monkeypatch):
@@ -412,6 +478,7 @@ def test_bf16_falls_back_to_avx512bf16_when_the_amx_build_fails(tmp_path, monkey
     assert load_rows_attention(tmp_path / "a", torch.bfloat16).name == "avx512bf16"
     with pytest.raises(KernelUnavailable, match="simulated"):
         load_rows_attention(tmp_path / "b", torch.bfloat16, "amx")
+
     def every_build_fails(spec, out_dir, head_dim=64):
         raise KernelUnavailable(f"{spec.name} unavailable")
 
@@ -425,7 +492,7 @@ BROKEN_KERNELS = {
     "crash": "*(volatile int *)0 = 1;",
     # a kernel that returns wrong numbers (zeros)
     "zeros": "for (long r = 0; r < num_rows; r++) memset(out + r * out_row_stride, 0, "
-             "(size_t)num_kv_heads * rep * head_dim * 4);",
+    "(size_t)num_kv_heads * rep * head_dim * 4);",
     # a library without the entry point: refused, but it says nothing about the numbers, so not recorded
     "no-symbol": None,
 }
@@ -441,7 +508,8 @@ def _broken_source(path, broken: str):
         "    void *k_rot, long krs, const float *c, const float *s, const long *pos, long num_rows, long num_keys,\n"
         "    int num_kv_heads, int rep, int head_dim, float scale, float *out, long out_row_stride,\n"
         "    void *scratch, long scratch_bytes, int num_threads) {\n"
-        f"    {body or ''}\n    return 0;\n}}\n")
+        f"    {body or ''}\n    return 0;\n}}\n"
+    )
     return path
 
 
@@ -466,7 +534,9 @@ def test_a_build_failing_its_self_check_is_never_loaded(broken, tmp_path):
     message = str(info.value)
     assert ("SIGSEGV" in message) == (broken == "crash")
     assert ("differs from the fp32 reference" in message) == (broken == "zeros")
-    assert ("kvb_rows_attention" in message) == (broken == "no-symbol")  # the AttributeError's last line
+    assert ("kvb_rows_attention" in message) == (
+        broken == "no-symbol"
+    )  # the AttributeError's last line
     assert not path.exists() and not list(path.parent.glob("*.tmp"))
     if broken == "no-symbol":
         assert not failed.exists()
@@ -510,33 +580,43 @@ def test_malloc_default_leaves_the_users_choice(monkeypatch):
 
 # --- head_dim 128 (Qwen2.5-1.5B, Llama-3-8B, Mistral-7B, Qwen2.5-7B) and GQA ratios 1:1 to 8:1 ------------
 
+
 def _case(dtype, seed: int, num_keys: int, num_rows: int, num_kv_heads: int, rep: int, d: int):
     """(q [A, Hkv * rep, d] peaked, k, v [Hkv, T, d], sorted positions [A] ending at the last key, RoPE)."""
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(num_kv_heads, num_keys, d, generator=gen).to(dtype)
     v = torch.randn(num_kv_heads, num_keys, d, generator=gen).to(dtype)
-    q = (torch.randn(num_rows, num_kv_heads * rep, d, generator=gen) * 3).to(dtype)  # the running max moves
+    q = (torch.randn(num_rows, num_kv_heads * rep, d, generator=gen) * 3).to(
+        dtype
+    )  # the running max moves
     if num_rows == num_keys:
         positions = torch.arange(num_keys)
     else:
-        positions = torch.randperm(num_keys - 1, generator=gen)[:num_rows - 1].sort().values
+        positions = torch.randperm(num_keys - 1, generator=gen)[: num_rows - 1].sort().values
         positions = torch.cat([positions, torch.tensor([num_keys - 1])])
     return q, k, v, positions, _rope_half(num_keys, d)
 
 
-@pytest.mark.parametrize("num_keys,num_rows,num_kv_heads,rep", [
-    (1500, 225, 2, 6),  # Qwen2.5-1.5B's grouping (12 / 2 heads), 15% scattered rows
-    (400, 400, 1, 8),   # every row (full prefill), GQA 8:1 (Llama-3-70B's, the widest)
-    (300, 37, 4, 1),    # no GQA (Llama-2-7B), rows not a multiple of a tile
-    (257, 40, 2, 4),    # GQA 4:1 (Llama-3-8B / Mistral-7B); a key past a block
-    (150, 150, 4, 2),   # GQA 2:1, every row
-    (45, 1, 2, 6),      # one row: the last token
-])
-def test_head_dim_128_rows_attention_matches_fp64_reference(kernel128, num_keys, num_rows, num_kv_heads, rep):
+@pytest.mark.parametrize(
+    "num_keys,num_rows,num_kv_heads,rep",
+    [
+        (1500, 225, 2, 6),  # Qwen2.5-1.5B's grouping (12 / 2 heads), 15% scattered rows
+        (400, 400, 1, 8),  # every row (full prefill), GQA 8:1 (Llama-3-70B's, the widest)
+        (300, 37, 4, 1),  # no GQA (Llama-2-7B), rows not a multiple of a tile
+        (257, 40, 2, 4),  # GQA 4:1 (Llama-3-8B / Mistral-7B); a key past a block
+        (150, 150, 4, 2),  # GQA 2:1, every row
+        (45, 1, 2, 6),  # one row: the last token
+    ],
+)
+def test_head_dim_128_rows_attention_matches_fp64_reference(
+    kernel128, num_keys, num_rows, num_kv_heads, rep
+):
     """Rows with the exact causal mask by position at head_dim 128, against fp64 attention over the
     kernel's own bf16 (or fp32) rotated keys; the rotated keys against fp32 RoPE rounded once."""
     kernel = kernel128
-    q, k, v, positions, rope = _case(kernel.dtype, num_keys + rep, num_keys, num_rows, num_kv_heads, rep, 128)
+    q, k, v, positions, rope = _case(
+        kernel.dtype, num_keys + rep, num_keys, num_rows, num_kv_heads, rep, 128
+    )
     out, k_rot = _run(kernel, q, k, v, positions, rope)
     ref, ref_k = _reference(q, k, v, positions, rope)
     out_atol, (k_atol, k_rtol) = TOLERANCES[kernel.dtype]
@@ -560,7 +640,11 @@ def test_head_dim_128_rows_never_see_a_later_key(kernel128):
     positions = torch.tensor([0, 1, 5, 17, 40, 41, 42, 130, 131, 257, 500, 640, 641, 699])
     q = torch.zeros(len(positions), 4, 128, dtype=kernel.dtype)
     k = torch.randn(1, num_keys, 128).to(kernel.dtype)
-    v = (torch.arange(num_keys).float() / num_keys)[None, :, None].expand(1, num_keys, 128).to(kernel.dtype)
+    v = (
+        (torch.arange(num_keys).float() / num_keys)[None, :, None]
+        .expand(1, num_keys, 128)
+        .to(kernel.dtype)
+    )
     out, _ = _run(kernel, q, k, v.contiguous(), positions, None)
     expected = (positions.float() / 2 / num_keys)[:, None].expand(-1, 4 * 128)
     torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=1e-2)
@@ -579,14 +663,16 @@ def test_head_dim_128_key_mass(kernel128, num_keys, num_rows, rep):
     _, k_rot = _reference(q, k, v, positions, rope)
     q_rot = _rotate(q.transpose(0, 1), rope[0][positions], rope[1][positions])  # [Hq, A, d]
     mask = torch.arange(num_keys)[None, :] <= positions[:, None]
-    ref = reference_key_mass(q_rot, k_rot.to(kernel.dtype).float(), mask, 128 ** -0.5)
+    ref = reference_key_mass(q_rot, k_rot.to(kernel.dtype).float(), mask, 128**-0.5)
     check_key_mass(kernel, q, k, v, positions, rope, ref)  # raises past the tolerance
     assert ref.sum().item() == pytest.approx(num_rows * 2 * rep, rel=1e-4)
 
 
 @pytest.mark.parametrize("num_keys", [1, 257, 3000])
 @pytest.mark.parametrize("num_kv_heads,rep", [(2, 6), (1, 8), (4, 1), (2, 4)])
-def test_head_dim_128_decode_attention_matches_fp64_reference(kernel128, num_keys, num_kv_heads, rep):
+def test_head_dim_128_decode_attention_matches_fp64_reference(
+    kernel128, num_keys, num_kv_heads, rep
+):
     """One decoding row at head_dim 128 over a cache read in place (heads strided by its capacity)."""
     kernel = kernel128
     if not kernel.has_decode:
@@ -594,12 +680,19 @@ def test_head_dim_128_decode_attention_matches_fp64_reference(kernel128, num_key
     gen = torch.Generator().manual_seed(num_keys * 10 + rep)
     cache_k = torch.randn(num_kv_heads, num_keys + 40, 128, generator=gen).to(kernel.dtype)
     cache_v = torch.randn(num_kv_heads, num_keys + 40, 128, generator=gen).to(kernel.dtype)
-    q = torch.randn(num_kv_heads * rep, 3, 128, generator=gen).mul(2).to(kernel.dtype)[:, 2]  # [Hq, d], strided
+    q = (
+        torch.randn(num_kv_heads * rep, 3, 128, generator=gen).mul(2).to(kernel.dtype)[:, 2]
+    )  # [Hq, d], strided
     k, v = cache_k[:, :num_keys], cache_v[:, :num_keys]
-    ref = F.scaled_dot_product_attention(q.double()[None, :, None], k.double()[None], v.double()[None],
-                                         enable_gqa=True)[0].reshape(1, -1).float()
+    ref = (
+        F.scaled_dot_product_attention(
+            q.double()[None, :, None], k.double()[None], v.double()[None], enable_gqa=True
+        )[0]
+        .reshape(1, -1)
+        .float()
+    )
     for num_threads in (1, 2):
-        out = kernel.decode_attention(q, k, v, 128 ** -0.5, num_threads)
+        out = kernel.decode_attention(q, k, v, 128**-0.5, num_threads)
         assert out.shape == (1, num_kv_heads * rep * 128)
         assert (out.float() - ref).abs().max().item() <= TOLERANCES[kernel.dtype][0]
 
@@ -609,8 +702,18 @@ def test_a_build_refuses_another_head_dim(kernel128):
     out = torch.empty(2, 64, dtype=kernel128.dtype)
     scratch = torch.empty(kernel128.scratch_bytes(10, 1), dtype=torch.uint8)
     with pytest.raises(ValueError, match="attends head_dim 128, got 64"):
-        kernel128(torch.zeros(2, 1, 64, dtype=kernel128.dtype), k, k, None, None, torch.tensor([3, 4]), 0.125, out,
-                  scratch, 1)
+        kernel128(
+            torch.zeros(2, 1, 64, dtype=kernel128.dtype),
+            k,
+            k,
+            None,
+            None,
+            torch.tensor([3, 4]),
+            0.125,
+            out,
+            scratch,
+            1,
+        )
     with pytest.raises(KernelUnavailable, match="head_dim 64 or 128 only") as info:
         load_rows_attention(kernel128.path.parent.parent, kernel128.dtype, kernel128.name, 96)
     assert not info.value.is_defect
@@ -627,7 +730,9 @@ def _model_with_head_dim(head_dim: int):
 def _best_runnable(dtype):
     from kvblend import kernels
 
-    return next((s for s in kernels.kernels_for(dtype) if set(s.cpu_flags) <= kernels.cpu_flags()), None)
+    return next(
+        (s for s in kernels.kernels_for(dtype) if set(s.cpu_flags) <= kernels.cpu_flags()), None
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -643,8 +748,10 @@ def test_auto_picks_the_best_native_build_for_both_head_dims(dtype, head_dim, tm
     if chosen is None:
         pytest.fail(f"auto fell back to PyTorch at head_dim {head_dim}: {reason}")
     assert (chosen.name, chosen.head_dim, reason) == (best.name, head_dim, None)
-    assert _rows_attention_kernel(ModelConfig(dtype=dtype, attention_kernel="torch", cache_dir=tmp_path),
-                                  _model_with_head_dim(head_dim)) == (None, "attention_kernel=torch was asked for")
+    assert _rows_attention_kernel(
+        ModelConfig(dtype=dtype, attention_kernel="torch", cache_dir=tmp_path),
+        _model_with_head_dim(head_dim),
+    ) == (None, "attention_kernel=torch was asked for")
 
 
 def test_a_broken_best_build_is_a_warning_with_its_reason(tmp_path, monkeypatch, caplog):
@@ -663,7 +770,9 @@ def test_a_broken_best_build_is_a_warning_with_its_reason(tmp_path, monkeypatch,
 
     def best_fails(spec, out_dir, head_dim=64):
         if spec.name == best.name:
-            raise KernelUnavailable(f"the {spec.name} kernel failed its self-check: simulated", "selfcheck")
+            raise KernelUnavailable(
+                f"the {spec.name} kernel failed its self-check: simulated", "selfcheck"
+            )
         return real(spec, out_dir, head_dim)
 
     monkeypatch.setattr(kernels, "_build_and_load", best_fails)
@@ -675,10 +784,14 @@ def test_a_broken_best_build_is_a_warning_with_its_reason(tmp_path, monkeypatch,
     assert chosen is None or chosen.name != best.name
 
     def cpu_lacks(spec, out_dir, head_dim=64):
-        raise KernelUnavailable(f"this CPU lacks everything (needed by the {spec.name} kernel)", "cpu")
+        raise KernelUnavailable(
+            f"this CPU lacks everything (needed by the {spec.name} kernel)", "cpu"
+        )
 
     monkeypatch.setattr(kernels, "_build_and_load", cpu_lacks)
-    cfg = ModelConfig(dtype="bfloat16", attention_kernel="auto", cache_dir=tmp_path / "other")  # not cached
+    cfg = ModelConfig(
+        dtype="bfloat16", attention_kernel="auto", cache_dir=tmp_path / "other"
+    )  # not cached
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="kvblend.engine.engine"):
         chosen, reason = _rows_attention_kernel(cfg, _model_with_head_dim(128))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from kvblend.bench.data import DEFAULT_INSTRUCTION, build_prompt
 from kvblend.blend.layouts import split_context, split_documents
 from kvblend.blend.segmenter import canonical_chunk
-from kvblend.bench.data import DEFAULT_INSTRUCTION, build_prompt
 
 DOCS = [
     "The lighthouse was built in 1874.",

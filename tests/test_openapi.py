@@ -4,16 +4,25 @@ response outside the schema. The 50,000-request run is ``scripts/fuzz_api.py`` a
 from __future__ import annotations
 
 import pytest
+from test_reliability import KEY, make_client
 
 from kvblend.server.schemas import SELECTION_PATTERN
-from test_reliability import KEY, make_client
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402  (schemathesis brings hypothesis)
 from schemathesis.checks import (  # noqa: E402
-    content_type_conformance, not_a_server_error, response_schema_conformance, status_code_conformance)
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
 
 
 def _engine():
@@ -30,18 +39,27 @@ def test_openapi_documents_what_the_server_does():
     paths, schemas = spec["paths"], spec["components"]["schemas"]
     messages = paths["/v1/messages"]["post"]
     assert messages["requestBody"]["content"]["application/json"]["schema"] == {
-        "$ref": "#/components/schemas/MessagesRequest"}
+        "$ref": "#/components/schemas/MessagesRequest"
+    }
     assert {"model", "max_tokens", "messages"} <= set(schemas["MessagesRequest"]["required"])
-    assert spec["components"]["securitySchemes"]["bearerAuth"] == {"type": "http", "scheme": "bearer"}
+    assert spec["components"]["securitySchemes"]["bearerAuth"] == {
+        "type": "http",
+        "scheme": "bearer",
+    }
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
         op = paths[path]["post"]
-        assert "422" not in op["responses"] and {"400", "401", "413", "502", "504"} <= set(op["responses"])
+        assert "422" not in op["responses"] and {"400", "401", "413", "502", "504"} <= set(
+            op["responses"]
+        )
         assert "text/event-stream" in op["responses"]["200"]["content"] and op["security"]
     assert "security" not in paths["/health"]["get"]
     sampling = schemas["ChatCompletionRequest"]["properties"]
     assert any(s.get("maximum") == 1 for s in sampling["n"]["anyOf"])
     assert any(s.get("pattern") == SELECTION_PATTERN for s in sampling["selection"]["anyOf"])
-    assert any(s.get("maximum") == 1 for s in schemas["CompletionRequest"]["properties"]["best_of"]["anyOf"])
+    assert any(
+        s.get("maximum") == 1
+        for s in schemas["CompletionRequest"]["properties"]["best_of"]["anyOf"]
+    )
     assert schemas["ChunksRequest"]["properties"]["documents"]["maxItems"] == 256  # max_documents
     assert schemas["MessagesRequest"]["properties"]["model"]["enum"] == ["fake"]  # the served ids
 

@@ -11,26 +11,30 @@ import json
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from test_server_unit import FakeEngine
 
 from kvblend.config import ApiKey, ModelEntry, ServerConfig
 from kvblend.server.app import create_app
 from kvblend.server.backends import LocalBackend
 from kvblend.server.upstream import UpstreamBackend
-from test_server_unit import FakeEngine
 
 KEY = "sk-client-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 UP_KEY = "sk-Zq81LxV0wQ-7f3e9a2b4c6d5e8f"
 USER = [{"role": "user", "content": "hello there"}]
 POST_PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/chunks", "/v1/messages"]
-VALID = {"/v1/chat/completions": {"model": "fake", "messages": USER, "max_tokens": 2},
-         "/v1/completions": {"model": "fake", "prompt": "a b", "max_tokens": 2},
-         "/v1/chunks": {"model": "fake", "documents": ["one two"]},
-         "/v1/messages": {"model": "fake", "max_tokens": 2, "messages": USER}}
+VALID = {
+    "/v1/chat/completions": {"model": "fake", "messages": USER, "max_tokens": 2},
+    "/v1/completions": {"model": "fake", "prompt": "a b", "max_tokens": 2},
+    "/v1/chunks": {"model": "fake", "documents": ["one two"]},
+    "/v1/messages": {"model": "fake", "max_tokens": 2, "messages": USER},
+}
 
 
 def make_client(engine=None, models: list[ModelEntry] | None = None, **config) -> TestClient:
-    cfg = ServerConfig(models=models or [ModelEntry(id="fake")], api_keys=[ApiKey(KEY, "c")], **config)
+    cfg = ServerConfig(
+        models=models or [ModelEntry(id="fake")], api_keys=[ApiKey(KEY, "c")], **config
+    )
     backends = [LocalBackend(m, None, cfg, engine=engine or FakeEngine()) for m in cfg.models]
     return TestClient(create_app(cfg, backends=backends), raise_server_exceptions=False)
 
@@ -46,8 +50,17 @@ def _error(r: httpx.Response, anthropic: bool) -> dict:
 
 # --- F1 / F2 / F13: bad input --------------------------------------------------------------------
 
-@pytest.mark.parametrize("prompt, param", [([-1], "prompt[0]"), ([5, 49152], "prompt[1]"), ([1_000_000], "prompt[0]"),
-                                           ([2**64], "prompt[0]"), ([2**70, 1], "prompt[0]")])
+
+@pytest.mark.parametrize(
+    "prompt, param",
+    [
+        ([-1], "prompt[0]"),
+        ([5, 49152], "prompt[1]"),
+        ([1_000_000], "prompt[0]"),
+        ([2**64], "prompt[0]"),
+        ([2**70, 1], "prompt[0]"),
+    ],
+)
 def test_out_of_range_token_ids_are_400_with_param(prompt, param):
     engine = FakeEngine()
     engine.vocab_size = 49152
@@ -55,15 +68,27 @@ def test_out_of_range_token_ids_are_400_with_param(prompt, param):
         r = c.post("/v1/completions", json={"model": "fake", "prompt": prompt}, headers=AUTH)
         assert r.status_code == 400, r.text
         err = _error(r, False)
-        assert err["param"] == param and err["code"] == "invalid_token_id" and "Overflow" not in err["message"]
-        assert c.post("/v1/completions", json={"model": "fake", "prompt": [5, 49151], "max_tokens": 1},
-                      headers=AUTH).status_code == 200
+        assert (
+            err["param"] == param
+            and err["code"] == "invalid_token_id"
+            and "Overflow" not in err["message"]
+        )
+        assert (
+            c.post(
+                "/v1/completions",
+                json={"model": "fake", "prompt": [5, 49151], "max_tokens": 1},
+                headers=AUTH,
+            ).status_code
+            == 200
+        )
 
 
 @pytest.mark.parametrize("seed", [2**70, -(2**64)])
 def test_seed_out_of_range_is_400_with_param(seed):
     with make_client() as c:
-        r = c.post("/v1/completions", json={"model": "fake", "prompt": "a", "seed": seed}, headers=AUTH)
+        r = c.post(
+            "/v1/completions", json={"model": "fake", "prompt": "a", "seed": seed}, headers=AUTH
+        )
         assert r.status_code == 400 and _error(r, False)["param"] == "seed", r.text
 
 
@@ -101,13 +126,22 @@ def test_unpaired_surrogate_escapes_are_400_and_pairs_pass(path):
     text = json.dumps(VALID[path])
     with make_client() as c:
         for bad in ("\\ud800", "x\\udc00y"):
-            body = text.replace('"one two"', f'"{bad}"').replace('"a b"', f'"{bad}"').replace(
-                '"hello there"', f'"{bad}"')
-            r = c.post(path, content=body.encode(), headers={**AUTH, "content-type": "application/json"})
+            body = (
+                text.replace('"one two"', f'"{bad}"')
+                .replace('"a b"', f'"{bad}"')
+                .replace('"hello there"', f'"{bad}"')
+            )
+            r = c.post(
+                path, content=body.encode(), headers={**AUTH, "content-type": "application/json"}
+            )
             assert r.status_code == 400, (body, r.text)
             assert "surrogate" in _error(r, anthropic)["message"]
-        body = text.replace('"hello there"', '"hi \\ud83d\\ude00"').replace('"a b"', '"\\ud83d\\ude00"')
-        r = c.post(path, content=body.encode(), headers={**AUTH, "content-type": "application/json"})
+        body = text.replace('"hello there"', '"hi \\ud83d\\ude00"').replace(
+            '"a b"', '"\\ud83d\\ude00"'
+        )
+        r = c.post(
+            path, content=body.encode(), headers={**AUTH, "content-type": "application/json"}
+        )
         assert r.status_code == 200, r.text
 
 
@@ -122,6 +156,7 @@ def test_chunks_without_model_when_several_are_served():
 
 # --- F6: limits ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("path", POST_PATHS)
 def test_body_over_the_limit_is_413_before_it_is_read(path):
     with make_client(max_body_bytes=1000) as c:
@@ -135,9 +170,14 @@ def test_body_over_the_limit_is_413_before_it_is_read(path):
 def test_too_many_documents_is_400():
     with make_client(max_documents=3) as c:
         docs = [f"doc {i}" for i in range(4)]
-        for path, body in [("/v1/chunks", {"model": "fake", "documents": docs}),
-                           ("/v1/chat/completions", {"model": "fake", "messages": USER, "documents": docs}),
-                           ("/v1/messages", {"model": "fake", "max_tokens": 2, "messages": USER, "documents": docs})]:
+        for path, body in [
+            ("/v1/chunks", {"model": "fake", "documents": docs}),
+            ("/v1/chat/completions", {"model": "fake", "messages": USER, "documents": docs}),
+            (
+                "/v1/messages",
+                {"model": "fake", "max_tokens": 2, "messages": USER, "documents": docs},
+            ),
+        ]:
             r = c.post(path, json=body, headers=AUTH)
             assert r.status_code == 400, r.text
             assert "at most 3" in _error(r, path == "/v1/messages")["message"]
@@ -147,6 +187,7 @@ def test_too_many_documents_is_400():
 
 # --- F5 / F7 / F8: upstreams -------------------------------------------------------------------------
 
+
 class LeakyUpstream:
     """An upstream that puts its caller's key everywhere it can, and one that ignores stream: true."""
 
@@ -155,42 +196,89 @@ class LeakyUpstream:
             return httpx.Response(200, json={"data": []})
         body = json.loads(request.content)
         model = body["model"]
-        long_msg = "x" * 290 + f" key {UP_KEY} rejected"  # the cut at 300 characters falls inside the key
+        long_msg = (
+            "x" * 290 + f" key {UP_KEY} rejected"
+        )  # the cut at 300 characters falls inside the key
         if model == "param":
-            return httpx.Response(400, json={"error": {"message": long_msg, "param": UP_KEY, "code": UP_KEY[:20]}})
+            return httpx.Response(
+                400, json={"error": {"message": long_msg, "param": UP_KEY, "code": UP_KEY[:20]}}
+            )
         if model == "plain":
             return httpx.Response(500, content=(long_msg + " " + UP_KEY).encode())
         if model == "masked":  # how OpenAI shows a wrong key: a prefix and a suffix
-            return httpx.Response(401, json={"error": {"message": f"Incorrect API key provided: "
-                                                                  f"{UP_KEY[:10]}****{UP_KEY[-4:]}x"}})
+            return httpx.Response(
+                401,
+                json={
+                    "error": {
+                        "message": f"Incorrect API key provided: {UP_KEY[:10]}****{UP_KEY[-4:]}x"
+                    }
+                },
+            )
         if model == "json-only":  # ignores stream: true
-            return httpx.Response(200, json={"id": "c", "object": "chat.completion", "model": model,
-                                             "choices": [{"index": 0, "finish_reason": "stop",
-                                                          "message": {"role": "assistant", "content": "plain json"}}],
-                                             "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
-        lines = [f": comment {UP_KEY}", f"event: {UP_KEY}", f"data: raw {UP_KEY}",
-                 "data: " + json.dumps({"model": model, "choices": [{"index": 0, "delta": {"content": "hi"}}],
-                                        "note": UP_KEY, UP_KEY: 1}),
-                 "data: " + json.dumps({"error": {"message": long_msg, "code": UP_KEY, "param": UP_KEY,
-                                                  "type": UP_KEY}}), "data: [DONE]"]
-        return httpx.Response(200, content="\n\n".join(lines).encode() + b"\n\n",
-                              headers={"content-type": "text/event-stream"})
+            return httpx.Response(
+                200,
+                json={
+                    "id": "c",
+                    "object": "chat.completion",
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": "stop",
+                            "message": {"role": "assistant", "content": "plain json"},
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+                },
+            )
+        lines = [
+            f": comment {UP_KEY}",
+            f"event: {UP_KEY}",
+            f"data: raw {UP_KEY}",
+            "data: "
+            + json.dumps(
+                {
+                    "model": model,
+                    "choices": [{"index": 0, "delta": {"content": "hi"}}],
+                    "note": UP_KEY,
+                    UP_KEY: 1,
+                }
+            ),
+            "data: "
+            + json.dumps(
+                {"error": {"message": long_msg, "code": UP_KEY, "param": UP_KEY, "type": UP_KEY}}
+            ),
+            "data: [DONE]",
+        ]
+        return httpx.Response(
+            200,
+            content="\n\n".join(lines).encode() + b"\n\n",
+            headers={"content-type": "text/event-stream"},
+        )
 
 
 def make_gateway(monkeypatch, models: list[str]) -> TestClient:
     monkeypatch.setenv("KVBLEND_TEST_UP_KEY", UP_KEY)
-    cfg = ServerConfig(models=[ModelEntry(id="fake")], api_keys=[ApiKey(KEY, "c")], default_max_tokens=4)
+    cfg = ServerConfig(
+        models=[ModelEntry(id="fake")], api_keys=[ApiKey(KEY, "c")], default_max_tokens=4
+    )
     backends = [LocalBackend(cfg.models[0], None, cfg, engine=FakeEngine())]
     for m in models:
-        entry = ModelEntry(id=m, kind="upstream", base_url="http://up-host.example:9123/v1", upstream_model=m,
-                           api_key_env="KVBLEND_TEST_UP_KEY", retries=0)
+        entry = ModelEntry(
+            id=m,
+            kind="upstream",
+            base_url="http://up-host.example:9123/v1",
+            upstream_model=m,
+            api_key_env="KVBLEND_TEST_UP_KEY",
+            retries=0,
+        )
         backends.append(UpstreamBackend(entry, cfg, transport=httpx.MockTransport(LeakyUpstream())))
     return TestClient(create_app(cfg, backends=backends), raise_server_exceptions=False)
 
 
 def _leaks(text: str) -> list[str]:
     """Every 6-character piece of the upstream key found in ``text``."""
-    return sorted({UP_KEY[i:i + 6] for i in range(len(UP_KEY) - 5) if UP_KEY[i:i + 6] in text})
+    return sorted({UP_KEY[i : i + 6] for i in range(len(UP_KEY) - 5) if UP_KEY[i : i + 6] in text})
 
 
 def test_no_byte_of_the_upstream_key_in_any_response(monkeypatch):
@@ -199,13 +287,24 @@ def test_no_byte_of_the_upstream_key_in_any_response(monkeypatch):
         bodies = []
         for m in models:
             for stream in (False, True):
-                r = c.post("/v1/chat/completions", json={"model": m, "messages": USER, "stream": stream}, headers=AUTH)
+                r = c.post(
+                    "/v1/chat/completions",
+                    json={"model": m, "messages": USER, "stream": stream},
+                    headers=AUTH,
+                )
                 bodies.append(r.text)
-                r = c.post("/v1/messages", json={"model": m, "max_tokens": 4, "messages": USER, "stream": stream},
-                           headers=AUTH)
+                r = c.post(
+                    "/v1/messages",
+                    json={"model": m, "max_tokens": 4, "messages": USER, "stream": stream},
+                    headers=AUTH,
+                )
                 bodies.append(r.text)
-        assert all(not _leaks(b) for b in bodies), [(_leaks(b), b[:200]) for b in bodies if _leaks(b)]
-        assert any("up-host" in b for b in bodies)  # errors still name the upstream's host (with a key)
+        assert all(not _leaks(b) for b in bodies), [
+            (_leaks(b), b[:200]) for b in bodies if _leaks(b)
+        ]
+        assert any(
+            "up-host" in b for b in bodies
+        )  # errors still name the upstream's host (with a key)
 
 
 def test_redactor_masks_before_cutting():
@@ -237,10 +336,13 @@ def test_health_hides_upstream_addresses_without_a_key(monkeypatch):
         up = r.json()["upstreams"]["stream"]
         assert up["reachable"] is True and "up-host" not in r.text and "9123" not in r.text
         assert set(up) <= {"reachable", "status", "latency_ms"}
-        assert "up-host.example:9123" in c.get("/health", headers=AUTH).text  # operators with a key see it
+        assert (
+            "up-host.example:9123" in c.get("/health", headers=AUTH).text
+        )  # operators with a key see it
 
 
 # --- F6: deferred chunk work in slices ---------------------------------------------------------------
+
 
 class DeferringEngine(FakeEngine):
     """Every prefill leaves six missing chunks to compute later (as blend requests with new documents do)."""
@@ -276,8 +378,10 @@ def test_deferred_chunks_are_computed_a_slice_a_turn_while_a_stream_decodes():
     sched = Scheduler(engine).start()
     try:
         done = threading.Event()
-        sched.submit(GenerationRequest(Segments([1], [], [2]), SamplingParams(max_tokens=20)),
-                     lambda ev: done.set() if isinstance(ev, GenerationResult) else None)
+        sched.submit(
+            GenerationRequest(Segments([1], [], [2]), SamplingParams(max_tokens=20)),
+            lambda ev: done.set() if isinstance(ev, GenerationResult) else None,
+        )
         assert done.wait(10)
         assert engine.left == 0 and engine.calls[:3] == [DEFERRED_SLICE] * 3, engine.calls
     finally:

@@ -30,7 +30,9 @@ def test_query_attention_matches_a_direct_computation_with_grouped_heads():
     positions = torch.tensor([7, 9, 10])  # key 11 follows every query row
     got = query_attention(q, keys, positions, 0.35)
     assert got.dtype == torch.float32 and got.shape == (12,)
-    torch.testing.assert_close(got.double(), _reference_query_attention(q, keys, positions, 0.35), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        got.double(), _reference_query_attention(q, keys, positions, 0.35), atol=1e-5, rtol=0
+    )
     assert got[11] == 0  # exact causal: no query row sees a later key
     assert abs(float(got.sum()) - 6 * 3) < 1e-4  # each head's row distributes probability 1
 
@@ -52,7 +54,9 @@ def test_query_attention_in_row_blocks_matches_one_block():
     whole = query_attention(q, keys, positions, 0.3)
     blocked = query_attention(q, keys, positions, 0.3, max_scores=4 * 20 * 2)  # two rows a block
     torch.testing.assert_close(blocked, whole, atol=1e-5, rtol=0)
-    torch.testing.assert_close(whole.double(), _reference_query_attention(q, keys, positions, 0.3), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        whole.double(), _reference_query_attention(q, keys, positions, 0.3), atol=1e-5, rtol=0
+    )
 
 
 def test_parse_selection_takes_a_layer_count_for_lookahead_only():
@@ -75,8 +79,12 @@ def test_attention_deviation_is_the_squared_distance_per_row():
 
 def test_check_layers_default_to_the_deviations_first_useful_layer():
     assert BlendConfig().check_layers == (1,)  # KV deviation: layer-0 KV is context-free
-    assert BlendConfig(deviation="attn").check_layers == (0,)  # attention output: deviates from layer 0 on
-    assert BlendConfig(deviation="attn", check_layers=(0, 4), check_ratios=(0.3, 0.15)).check_layers == (0, 4)
+    assert BlendConfig(deviation="attn").check_layers == (
+        0,
+    )  # attention output: deviates from layer 0 on
+    assert BlendConfig(
+        deviation="attn", check_layers=(0, 4), check_ratios=(0.3, 0.15)
+    ).check_layers == (0, 4)
     with pytest.raises(ValueError, match="check_layers must be >= 1 with deviation 'v'"):
         BlendConfig(deviation="v", check_layers=(0,))
     with pytest.raises(ValueError, match="deviation must be one of"):

@@ -2,8 +2,8 @@
 them must give full prefill's logits (fp32), and its reference KV must be full prefill's."""
 
 import torch
-
 from engine_fixtures import INSTRUCTION, embedded_engine, load_script, musique_docs
+
 from kvblend.blend.selection import num_to_keep
 from kvblend.store.memory import MemoryStore
 
@@ -12,7 +12,9 @@ oracle = load_script("selection_oracle")
 
 def test_every_variant_at_ratio_one_equals_full_and_stored_kv_deviates_only_in_chunks(monkeypatch):
     engine = embedded_engine("float32")
-    monkeypatch.setattr(engine, "store", MemoryStore())  # the shared engine's store stays as other tests left it
+    monkeypatch.setattr(
+        engine, "store", MemoryStore()
+    )  # the shared engine's store stays as other tests left it
     docs, question = musique_docs(1, num_docs=3)
     segs = engine.segments(docs, question, instruction=INSTRUCTION)
     with torch.inference_mode():
@@ -26,5 +28,8 @@ def test_every_variant_at_ratio_one_equals_full_and_stored_kv_deviates_only_in_c
         dev = ((p.full_v - p.stored_v) ** 2).sum(dim=(1, 3))  # [L, T]
         assert float(dev[0].max()) < 1e-8
         assert float(dev[1:, p.chunk_rows].mean()) > 1e-4
-        assert float(dev[:, :p.chunk_rows[0]].max()) == 0.0 and float(dev[:, p.query_rows].max()) == 0.0
+        assert (
+            float(dev[:, : p.chunk_rows[0]].max()) == 0.0
+            and float(dev[:, p.query_rows].max()) == 0.0
+        )
         assert p.deviation().shape == p.chunk_rows.shape

@@ -53,7 +53,9 @@ class FakeEngine:
         if messages[-1]["role"] != "user":
             raise ValueError("messages must end with a user message")
         text = messages[-1]["content"] if isinstance(messages[-1]["content"], str) else "x"
-        return Segments([1], [[2] * len(d.split()) for d in documents or []], self.tokenizer.encode(text) or [1])
+        return Segments(
+            [1], [[2] * len(d.split()) for d in documents or []], self.tokenizer.encode(text) or [1]
+        )
 
     def segments(self, documents, question, **_) -> Segments:
         return Segments([1], [self.tokenizer.encode(d) for d in documents], [])
@@ -68,8 +70,16 @@ class FakeEngine:
         if self.fail:
             raise RuntimeError("secret internal detail")
         n = req.segments.num_tokens
-        seq = FakeSeq(req, PrefillStats(mode=req.mode or "blend", recompute_ratio=0.15, prompt_tokens=n,
-                                        fresh_tokens=n, ttft_ms=1.0))
+        seq = FakeSeq(
+            req,
+            PrefillStats(
+                mode=req.mode or "blend",
+                recompute_ratio=0.15,
+                prompt_tokens=n,
+                fresh_tokens=n,
+                ttft_ms=1.0,
+            ),
+        )
         seq.pending.append(self._token(seq))
         return seq
 
@@ -85,7 +95,10 @@ class FakeEngine:
     def step(self, seqs):
         self.batch_sizes.append(len(seqs))
         time.sleep(self.step_delay)
-        return [s.pending.pop(0) if s.pending else (None if s.finished else self._token(s)) for s in seqs]
+        return [
+            s.pending.pop(0) if s.pending else (None if s.finished else self._token(s))
+            for s in seqs
+        ]
 
 
 def make_client(engine: FakeEngine, **config) -> TestClient:
@@ -99,17 +112,33 @@ USER = [{"role": "user", "content": "hello there"}]
 
 def test_chat_and_stream_shapes():
     with make_client(FakeEngine()) as c:
-        r = c.post("/v1/chat/completions", json={"model": "fake", "messages": USER, "max_tokens": 3})
+        r = c.post(
+            "/v1/chat/completions", json={"model": "fake", "messages": USER, "max_tokens": 3}
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["choices"][0]["message"]["content"] == "t0 t1 t2 "
-        assert body["usage"]["completion_tokens"] == 3 and body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
-        with c.stream("POST", "/v1/chat/completions", json={"model": "fake", "messages": USER, "max_tokens": 2,
-                                                            "stream": True, "stream_options": {"include_usage": True}}) as s:
+        assert body["usage"]["completion_tokens"] == 3 and body["usage"][
+            "prompt_tokens_details"
+        ] == {"cached_tokens": 0}
+        with c.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                "model": "fake",
+                "messages": USER,
+                "max_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as s:
             lines = [ln for ln in s.iter_lines() if ln]
         assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
         assert '"usage":{"prompt_tokens"' in lines[-2] and '"choices":[]' in lines[-2]
-        r = c.post("/v1/completions", json={"model": "fake", "prompt": "a b", "max_tokens": 2, "echo": True})
+        r = c.post(
+            "/v1/completions",
+            json={"model": "fake", "prompt": "a b", "max_tokens": 2, "echo": True},
+        )
         assert r.json()["choices"][0]["text"] == "a bt0 t1 "
 
 
@@ -117,9 +146,18 @@ def test_engine_crash_is_500_without_details_and_server_survives():
     engine = FakeEngine(fail=True)
     with make_client(engine) as c:
         r = c.post("/v1/chat/completions", json={"model": "fake", "messages": USER})
-        assert r.status_code == 500 and "secret" not in r.text and r.json()["error"]["type"] == "server_error"
+        assert (
+            r.status_code == 500
+            and "secret" not in r.text
+            and r.json()["error"]["type"] == "server_error"
+        )
         engine.fail = False
-        assert c.post("/v1/chat/completions", json={"model": "fake", "messages": USER, "max_tokens": 1}).status_code == 200
+        assert (
+            c.post(
+                "/v1/chat/completions", json={"model": "fake", "messages": USER, "max_tokens": 1}
+            ).status_code
+            == 200
+        )
 
 
 def test_queue_full_is_429_with_retry_after():
@@ -128,10 +166,14 @@ def test_queue_full_is_429_with_retry_after():
     with make_client(engine, max_queue=1, max_batch=1, retry_after_s=3) as c:
         results: list[int] = []
         body = {"model": "fake", "messages": USER, "max_tokens": 1}
-        first = threading.Thread(target=lambda: results.append(c.post("/v1/chat/completions", json=body).status_code))
+        first = threading.Thread(
+            target=lambda: results.append(c.post("/v1/chat/completions", json=body).status_code)
+        )
         first.start()
         assert engine.in_start.wait(10)  # first is in prefill (off the queue)
-        second = threading.Thread(target=lambda: results.append(c.post("/v1/chat/completions", json=body).status_code))
+        second = threading.Thread(
+            target=lambda: results.append(c.post("/v1/chat/completions", json=body).status_code)
+        )
         second.start()
         backend = c.app.state.kvblend.by_id["fake"]
         deadline = time.monotonic() + 10
@@ -148,11 +190,27 @@ def test_queue_full_is_429_with_retry_after():
 
 def test_error_bodies():
     with make_client(FakeEngine()) as c:
-        for r, status in [(c.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"}), 400),
-                          (c.post("/v1/chat/completions", json={"model": "fake", "messages": USER, "n": 3}), 400),
-                          (c.post("/v1/chat/completions", json={"model": "x", "messages": USER}), 404),
-                          (c.get("/nope"), 404), (c.get("/v1/chat/completions"), 405),
-                          (c.post("/v1/chat/completions", json={"model": "fake", "messages": USER, "max_tokens": 100}), 400)]:
+        for r, status in [
+            (
+                c.post(
+                    "/v1/chat/completions",
+                    content=b"{",
+                    headers={"content-type": "application/json"},
+                ),
+                400,
+            ),
+            (c.post("/v1/chat/completions", json={"model": "fake", "messages": USER, "n": 3}), 400),
+            (c.post("/v1/chat/completions", json={"model": "x", "messages": USER}), 404),
+            (c.get("/nope"), 404),
+            (c.get("/v1/chat/completions"), 405),
+            (
+                c.post(
+                    "/v1/chat/completions",
+                    json={"model": "fake", "messages": USER, "max_tokens": 100},
+                ),
+                400,
+            ),
+        ]:
             assert r.status_code == status, r.text
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
@@ -180,8 +238,12 @@ def test_scheduler_batches_and_cancels():
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert max(engine.batch_sizes) == 4  # all four decoded together
-        assert isinstance(events[0][0], Started) and [e.text for e in events[0][1:-1]] == [f"t{i} " for i in range(5)]
-        assert not any(isinstance(e, (GenerationResult, Failed)) for e in events[3])  # cancelled: dropped silently
+        assert isinstance(events[0][0], Started) and [e.text for e in events[0][1:-1]] == [
+            f"t{i} " for i in range(5)
+        ]
+        assert not any(
+            isinstance(e, (GenerationResult, Failed)) for e in events[3]
+        )  # cancelled: dropped silently
         with pytest.raises(QueueFullError):
             gate.clear()
             for _ in range(10):

@@ -14,7 +14,9 @@ import httpx
 import pytest
 
 MODEL = "smollm2-135m-instruct"
-COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"  # a raw completion prompt the model keeps counting on
+COUNTING = (
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"  # a raw completion prompt the model keeps counting on
+)
 
 
 class Stream(threading.Thread):
@@ -44,10 +46,24 @@ class Stream(threading.Thread):
 
 
 def _streams(base_url: str, max_tokens: int) -> list[Stream]:
-    oai = {"model": MODEL, "prompt": COUNTING, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    claude = {"model": MODEL, "max_tokens": max_tokens, "stream": True,
-              "messages": [{"role": "user", "content": "Write a very long story about a lighthouse keeper."}]}
-    out = [Stream(base_url, "/v1/completions", oai) for _ in range(2)] + [Stream(base_url, "/v1/messages", claude)]
+    oai = {
+        "model": MODEL,
+        "prompt": COUNTING,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    claude = {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "messages": [
+            {"role": "user", "content": "Write a very long story about a lighthouse keeper."}
+        ],
+    }
+    out = [Stream(base_url, "/v1/completions", oai) for _ in range(2)] + [
+        Stream(base_url, "/v1/messages", claude)
+    ]
     for s in out:
         s.start()
     for s in out:
@@ -59,11 +75,15 @@ def _sigterm_and_check_503(server) -> float:
     server.proc.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
     time.sleep(0.3)
-    r = httpx.post(server.base_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    r = httpx.post(
+        server.base_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    )
     assert r.status_code == 503 and r.headers.get("retry-after"), r.text
     assert r.json()["error"]["code"] == "service_unavailable"
-    r = httpx.post(server.base_url + "/v1/messages", json={"model": MODEL, "max_tokens": 2,
-                                                           "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        server.base_url + "/v1/messages",
+        json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code == 503 and r.json()["type"] == "error", r.text
     assert httpx.get(server.base_url + "/health").status_code == 503
     return t0
@@ -71,7 +91,9 @@ def _sigterm_and_check_503(server) -> float:
 
 @pytest.mark.slow
 def test_sigterm_lets_live_streams_finish_then_exits(kvblend_server_factory):
-    server = kvblend_server_factory({"models": [{"id": MODEL, "model": ""}], "drain_timeout_s": 120})
+    server = kvblend_server_factory(
+        {"models": [{"id": MODEL, "model": ""}], "drain_timeout_s": 120}
+    )
     streams = _streams(server.base_url, 48)
     _sigterm_and_check_503(server)
     for s in streams:
@@ -88,7 +110,9 @@ def test_sigterm_lets_live_streams_finish_then_exits(kvblend_server_factory):
 @pytest.mark.slow
 def test_sigterm_ends_streams_past_the_drain_timeout_with_an_error_event(kvblend_server_factory):
     server = kvblend_server_factory({"models": [{"id": MODEL, "model": ""}], "drain_timeout_s": 1})
-    streams = _streams(server.base_url, 3000)  # minutes of decoding: cannot finish within the timeout
+    streams = _streams(
+        server.base_url, 3000
+    )  # minutes of decoding: cannot finish within the timeout
     t0 = _sigterm_and_check_503(server)
     for s in streams:
         s.join(60)
@@ -96,10 +120,16 @@ def test_sigterm_ends_streams_past_the_drain_timeout_with_an_error_event(kvblend
     oai, claude = streams[:2], streams[2]
     for s in oai:
         err = json.loads(s.events[-1][5:])["error"]
-        assert "shutting down" in err["message"] and err["code"] == "service_unavailable", s.events[-2:]
-    if claude.events[-1] == 'data: {"type":"message_stop"}':  # the model ended its story within the drain
+        assert "shutting down" in err["message"] and err["code"] == "service_unavailable", s.events[
+            -2:
+        ]
+    if (
+        claude.events[-1] == 'data: {"type":"message_stop"}'
+    ):  # the model ended its story within the drain
         assert claude.last_at < t0 + 1.5
     else:
-        assert claude.events[-2] == "event: error" and "shutting down" in claude.events[-1], claude.events[-2:]
+        assert claude.events[-2] == "event: error" and "shutting down" in claude.events[-1], (
+            claude.events[-2:]
+        )
     assert server.proc.wait(30) is not None
     assert time.monotonic() - t0 < 30

@@ -25,12 +25,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # ---- helpers (imported by the other test_store* modules) ------------------------------------------
-def make_kv(seed: int = 0, layers: int = 4, heads: int = 2, seq_len: int = 16, dim: int = 8,
-            dtype: torch.dtype = torch.bfloat16) -> ChunkKV:
+def make_kv(
+    seed: int = 0,
+    layers: int = 4,
+    heads: int = 2,
+    seq_len: int = 16,
+    dim: int = 8,
+    dtype: torch.dtype = torch.bfloat16,
+) -> ChunkKV:
     """Random ChunkKV, k/v [layers, heads, seq_len, dim]."""
     g = torch.Generator().manual_seed(seed)
     shape = (layers, heads, seq_len, dim)
-    return ChunkKV(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+    return ChunkKV(
+        torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+    )
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -39,7 +47,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def same(a: ChunkKV | None, b: ChunkKV) -> bool:
-    return a is not None and a.k.dtype == b.k.dtype and torch.equal(bits(a.k), bits(b.k)) and torch.equal(bits(a.v), bits(b.v))
+    return (
+        a is not None
+        and a.k.dtype == b.k.dtype
+        and torch.equal(bits(a.k), bits(b.k))
+        and torch.equal(bits(a.v), bits(b.v))
+    )
 
 
 def kv_size(store_key: str, kv: ChunkKV) -> int:
@@ -52,8 +65,14 @@ def run_python(code: str, env: dict | None = None, timeout: float = 120) -> str:
     For multi-process tests (e.g. two engine processes sharing one disk dir / Redis): build the store
     or engine inside ``code`` from a StoreConfig and print what the parent should check.
     """
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+    )
     if proc.returncode != 0:
         raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc.stdout
@@ -77,11 +96,13 @@ def test_serializer_layer_offsets_from_header():
 
     for layer in range(5):
         off, n = header.layer_span(layer)
-        k, v = decode_layer(header, layer, blob[off: off + n])
+        k, v = decode_layer(header, layer, blob[off : off + n])
         assert torch.equal(bits(k), bits(kv.k[layer])) and torch.equal(bits(v), bits(kv.v[layer]))
 
 
-@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "truncate", "extend", "magic", "empty"])
+@pytest.mark.parametrize(
+    "damage", ["flip_payload", "flip_header", "truncate", "extend", "magic", "empty"]
+)
 def test_serializer_rejects_damage(damage):
     blob = bytearray(serialize("chunk:a", make_kv()))
     if damage == "flip_payload":
@@ -114,10 +135,20 @@ def test_memory_lru_respects_budget():
     assert store.get("k0") is not None  # k0 now most recent: k1 goes first
     store.put("k3", make_kv(3))
     store.check_integrity()
-    assert store.get("k1") is None and same(store.get("k0"), make_kv(0)) and same(store.get("k3"), make_kv(3))
+    assert (
+        store.get("k1") is None
+        and same(store.get("k0"), make_kv(0))
+        and same(store.get("k3"), make_kv(3))
+    )
     s = store.stats()
-    assert s["entries"] == 3 and s["bytes"] == 3 * kv.nbytes <= s["budget_bytes"] and s["evictions"] == 1
-    store.put("huge", make_kv(seq_len=100))  # bigger than the whole budget: skipped, nothing evicted
+    assert (
+        s["entries"] == 3
+        and s["bytes"] == 3 * kv.nbytes <= s["budget_bytes"]
+        and s["evictions"] == 1
+    )
+    store.put(
+        "huge", make_kv(seq_len=100)
+    )  # bigger than the whole budget: skipped, nothing evicted
     store.check_integrity()
     assert store.get("huge") is None and store.stats()["evictions"] == 1
 
@@ -158,8 +189,12 @@ def test_disk_budget_evicts_lru_and_restart_keeps_order(tmp_path):
     store.put("chunk:2", make_kv(2))
     store.check_integrity()
     assert store.stats()["evictions"] == 1 and not store.contains("chunk:1")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(store.path(k).name for k in ("chunk:0", "chunk:2"))
-    reopened = DiskStore(tmp_path, max_bytes=int(1.5 * size))  # smaller budget: the oldest (chunk:0) goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        store.path(k).name for k in ("chunk:0", "chunk:2")
+    )
+    reopened = DiskStore(
+        tmp_path, max_bytes=int(1.5 * size)
+    )  # smaller budget: the oldest (chunk:0) goes
     reopened.check_integrity()
     assert [k for k, _ in reopened.entries()] == ["chunk:2"] and not reopened.contains("chunk:0")
 
@@ -206,7 +241,9 @@ def test_disk_layerwise_reader_detects_corrupt_layer(tmp_path):
     with store.open("chunk:a") as reader:  # header is fine: opening succeeds
         for layer in range(3):
             k, v = reader.read_layer(layer)
-            assert torch.equal(bits(k), bits(kv.k[layer])) and torch.equal(bits(v), bits(kv.v[layer]))
+            assert torch.equal(bits(k), bits(kv.k[layer])) and torch.equal(
+                bits(v), bits(kv.v[layer])
+            )
         with pytest.raises(KVReadError, match="checksum"):
             reader.read_layer(3)
     assert not path.exists() and store.stats()["corrupt"] == 1
@@ -218,18 +255,23 @@ def test_disk_removes_only_stale_temp_files(tmp_path):
     fresh.write_bytes(b"y")
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
     DiskStore(tmp_path)
-    assert not stale.exists() and fresh.exists()  # a fresh one may be another process's write in flight
+    assert (
+        not stale.exists() and fresh.exists()
+    )  # a fresh one may be another process's write in flight
 
 
 def test_disk_adopts_files_written_by_another_process(tmp_path):
     """Two processes on one directory (template for the engine-level sharing test)."""
     kv = make_kv(7)
     reader_store = DiskStore(tmp_path)  # exists before the other process writes
-    run_python(f"""
+    run_python(
+        f"""
         from kvblend.store.disk import DiskStore
         from test_store import make_kv
         DiskStore({str(tmp_path)!r}).put("chunk:shared", make_kv(7))
-    """, env={"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"})
+    """,
+        env={"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"},
+    )
     assert same(reader_store.get("chunk:shared"), kv)
     reader_store.check_integrity()
     assert reader_store.stats()["entries"] == 1
@@ -242,8 +284,16 @@ def test_concurrent_readers_and_writers_never_see_torn_kv(tmp_path, tiers):
     other keys churn the budget; every read must be exactly one of the two values, or a miss."""
     a, b = make_kv(1, seq_len=16), make_kv(2, seq_len=17)
     budget = 4 * kv_size("chunk:x", b)
-    store = create_store(StoreConfig(tiers=tiers, disk_dir=tmp_path, memory_bytes=budget, disk_bytes=budget,
-                                     disk_fsync=False, async_writes=False))
+    store = create_store(
+        StoreConfig(
+            tiers=tiers,
+            disk_dir=tmp_path,
+            memory_bytes=budget,
+            disk_bytes=budget,
+            disk_fsync=False,
+            async_writes=False,
+        )
+    )
     stop = threading.Event()
     errors: list[str] = []
 
@@ -273,8 +323,12 @@ def test_concurrent_readers_and_writers_never_see_torn_kv(tmp_path, tiers):
                 finally:
                     r.close()
 
-    threads = [threading.Thread(target=writer, args=(a, 0)), threading.Thread(target=writer, args=(b, 1)),
-               threading.Thread(target=reader), threading.Thread(target=reader)]
+    threads = [
+        threading.Thread(target=writer, args=(a, 0)),
+        threading.Thread(target=writer, args=(b, 1)),
+        threading.Thread(target=reader),
+        threading.Thread(target=reader),
+    ]
     for t in threads:
         t.start()
     time.sleep(1.0)
@@ -316,10 +370,18 @@ def test_reader_layers_match(tmp_path, tier):
     store.put("chunk:a", kv)
     assert store.open("chunk:missing") is None
     with store.open("chunk:a") as r:
-        assert (r.num_layers, r.kv_heads, r.seq_len, r.head_dim, r.dtype) == (6, 2, 16, 8, torch.bfloat16)
+        assert (r.num_layers, r.kv_heads, r.seq_len, r.head_dim, r.dtype) == (
+            6,
+            2,
+            16,
+            8,
+            torch.bfloat16,
+        )
         for layer in reversed(range(6)):  # any order
             k, v = r.read_layer(layer)
-            assert torch.equal(bits(k), bits(kv.k[layer])) and torch.equal(bits(v), bits(kv.v[layer]))
+            assert torch.equal(bits(k), bits(kv.k[layer])) and torch.equal(
+                bits(v), bits(kv.v[layer])
+            )
 
 
 def test_store_config_validation():

@@ -7,7 +7,6 @@ import errno
 import shutil
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -34,11 +33,18 @@ print(sum(written[:7]), sum(written[10:]), s["errors"], s["no_space"], s["evicti
 def _can_mount_tmpfs() -> bool:
     if shutil.which("unshare") is None:
         return False
-    return subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+            capture_output=True,
+        ).returncode
+        == 0
+    )
 
 
-@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare -rm (user + mount namespaces) for a real tmpfs")
+@pytest.mark.skipif(
+    not _can_mount_tmpfs(), reason="needs unshare -rm (user + mount namespaces) for a real tmpfs"
+)
 def test_disk_tier_recovers_after_enospc_on_a_real_full_device(tmp_path):
     """A 1 MiB tmpfs in a private mount namespace: the byte budget (64 MiB) never triggers eviction, the
     device fills after ~7 entries, and every later write must still land (older entries make room)."""
@@ -47,11 +53,18 @@ def test_disk_tier_recovers_after_enospc_on_a_real_full_device(tmp_path):
     script = tmp_path / "fill.py"
     script.write_text(_FILL)
     cmd = f"mount -t tmpfs -o size=1m tmpfs {mnt} && {sys.executable} {script} {mnt}"
-    out = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], capture_output=True, text=True, timeout=120,
-                         env={"PYTHONPATH": ":".join(sys.path), "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", cmd],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": ":".join(sys.path), "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     first, later, errors, no_space, _ = out.stdout.split()
-    assert int(first) >= 5 and int(later) == 30, out.stdout  # every write after the device filled landed
+    assert int(first) >= 5 and int(later) == 30, (
+        out.stdout
+    )  # every write after the device filled landed
     assert int(no_space) > 0 and int(errors) == 0
 
 
@@ -97,9 +110,18 @@ def test_chunk_larger_than_every_budget_is_refused_with_a_reason():
             r = c.post("/v1/chunks", json={"documents": ["short text", long_doc]})
             assert r.status_code == 400, r.text
             err = r.json()["error"]
-            assert err["param"] == "documents[1]" and err["code"] == "chunk_too_large" and "budget" in err["message"]
+            assert (
+                err["param"] == "documents[1]"
+                and err["code"] == "chunk_too_large"
+                and "budget" in err["message"]
+            )
             r = c.post("/v1/chunks", json={"documents": ["short text"]})
-            assert r.status_code == 200 and c.post("/v1/chunks", json={"documents": ["short text"]}).json()[
-                "data"][0]["cached"] is True
+            assert (
+                r.status_code == 200
+                and c.post("/v1/chunks", json={"documents": ["short text"]}).json()["data"][0][
+                    "cached"
+                ]
+                is True
+            )
     finally:
         engine.store = saved

@@ -6,12 +6,12 @@ import threading
 
 import pytest
 import torch
+from test_store import bits, make_kv
 
 from kvblend.config import StoreConfig
 from kvblend.engine.kv_loader import LayerwiseLoader, load_sync
 from kvblend.store.factory import create_store
 from kvblend.store.reader import KVReader, KVReadError, TensorReader
-from test_store import bits, make_kv
 
 LAYERS, HEADS, DIM = 6, 2, 8
 
@@ -19,9 +19,15 @@ LAYERS, HEADS, DIM = 6, 2, 8
 class GatedReader(KVReader):
     """Wraps a reader; blocks before ``gate_layer`` until released, or fails at ``fail_layer``."""
 
-    def __init__(self, inner: KVReader, gate_layer: int | None = None, fail_layer: int | None = None):
+    def __init__(
+        self, inner: KVReader, gate_layer: int | None = None, fail_layer: int | None = None
+    ):
         self.inner, self.gate_layer, self.fail_layer = inner, gate_layer, fail_layer
-        self.num_layers, self.kv_heads, self.seq_len = inner.num_layers, inner.kv_heads, inner.seq_len
+        self.num_layers, self.kv_heads, self.seq_len = (
+            inner.num_layers,
+            inner.kv_heads,
+            inner.seq_len,
+        )
         self.head_dim, self.dtype = inner.head_dim, inner.dtype
         self.release = threading.Event()
 
@@ -40,12 +46,19 @@ def _buffers(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_pipelined_fill_equals_synchronous_fill(tmp_path):
-    store = create_store(StoreConfig(tiers=("memory", "disk"), disk_dir=tmp_path, async_writes=False))
+    store = create_store(
+        StoreConfig(tiers=("memory", "disk"), disk_dir=tmp_path, async_writes=False)
+    )
     lens = [16, 5, 11]
     kvs = [make_kv(i, layers=LAYERS, heads=HEADS, seq_len=n, dim=DIM) for i, n in enumerate(lens)]
     for i, kv in enumerate(kvs):
-        (store.tier("disk") if i else store).put(f"chunk:{i}", kv)  # chunk 0 in memory + disk, others disk only
-    offsets, rows = [3, 3 + 16 + 4, 3 + 16 + 4 + 5], 3 + 16 + 4 + 5 + 11 + 2  # gaps = question / prefix rows
+        (store.tier("disk") if i else store).put(
+            f"chunk:{i}", kv
+        )  # chunk 0 in memory + disk, others disk only
+    offsets, rows = (
+        [3, 3 + 16 + 4, 3 + 16 + 4 + 5],
+        3 + 16 + 4 + 5 + 11 + 2,
+    )  # gaps = question / prefix rows
 
     def sources():
         return [(store.open(f"chunk:{i}"), off) for i, off in enumerate(offsets)]
@@ -58,9 +71,13 @@ def test_pipelined_fill_equals_synchronous_fill(tmp_path):
             loader.wait_layer(layer)
     assert torch.equal(bits(k_pipe), bits(k_sync)) and torch.equal(bits(v_pipe), bits(v_sync))
     for kv, off in zip(kvs, offsets):
-        assert torch.equal(bits(k_pipe[:, :, off: off + kv.seq_len]), bits(kv.k))
-        assert torch.equal(bits(v_pipe[:, :, off: off + kv.seq_len]), bits(kv.v))
-    assert (k_pipe[:, :, :3] == 7).all() and (k_pipe[:, :, 19:23] == 7).all() and (v_pipe[:, :, -2:] == 7).all()
+        assert torch.equal(bits(k_pipe[:, :, off : off + kv.seq_len]), bits(kv.k))
+        assert torch.equal(bits(v_pipe[:, :, off : off + kv.seq_len]), bits(kv.v))
+    assert (
+        (k_pipe[:, :, :3] == 7).all()
+        and (k_pipe[:, :, 19:23] == 7).all()
+        and (v_pipe[:, :, -2:] == 7).all()
+    )
     store.close()
 
 
@@ -96,12 +113,16 @@ def test_one_thread_failing_does_not_cut_short_the_others():
     kv = make_kv(layers=LAYERS, heads=HEADS, seq_len=4, dim=DIM)
     k, v = _buffers(8)
     behind = GatedReader(TensorReader(kv), gate_layer=0)
-    with LayerwiseLoader([(behind, 0), (GatedReader(TensorReader(kv), fail_layer=3), 4)], k, v) as loader:
+    with LayerwiseLoader(
+        [(behind, 0), (GatedReader(TensorReader(kv), fail_layer=3), 4)], k, v
+    ) as loader:
         with pytest.raises(KVReadError):
             loader.wait_layer(3, timeout=5)  # the other thread has failed
         behind.release.set()
         loader.wait_layer(2, timeout=5)
-    assert torch.equal(bits(k[:3, :, :4]), bits(kv.k[:3])) and torch.equal(bits(v[:3, :, 4:]), bits(kv.v[:3]))
+    assert torch.equal(bits(k[:3, :, :4]), bits(kv.k[:3])) and torch.equal(
+        bits(v[:3, :, 4:]), bits(kv.v[:3])
+    )
 
 
 def test_close_before_done_does_not_hang_and_rejects_bad_geometry():
@@ -114,4 +135,6 @@ def test_close_before_done_does_not_hang_and_rejects_bad_geometry():
     with pytest.raises(ValueError):
         LayerwiseLoader([(TensorReader(kv), 2)], k, v)  # rows 2..6 do not fit in 4
     with pytest.raises(ValueError):
-        LayerwiseLoader([(TensorReader(make_kv(layers=2, heads=HEADS, seq_len=4, dim=DIM)), 0)], k, v)
+        LayerwiseLoader(
+            [(TensorReader(make_kv(layers=2, heads=HEADS, seq_len=4, dim=DIM)), 0)], k, v
+        )

@@ -7,12 +7,12 @@ import time
 import pytest
 import redis
 import torch
+from test_store import bits, make_kv, same
 
 from kvblend.config import StoreConfig
 from kvblend.store.factory import create_store
 from kvblend.store.reader import KVReadError
 from kvblend.store.redis_store import RedisStore
-from test_store import bits, make_kv, same
 
 
 def _store(server, **kw) -> RedisStore:
@@ -39,7 +39,9 @@ def test_redis_roundtrip_ttl_and_layerwise(redis_server):
     with store.open("chunk:a") as r:
         for layer in (4, 0, 2):
             k, v = r.read_layer(layer)
-            assert torch.equal(bits(k), bits(kv.k[layer])) and torch.equal(bits(v), bits(kv.v[layer]))
+            assert torch.equal(bits(k), bits(kv.k[layer])) and torch.equal(
+                bits(v), bits(kv.v[layer])
+            )
     assert store.get("chunk:none") is None and store.open("chunk:none") is None
     assert [k for k, _ in store.entries()] == ["chunk:a"]
     s = store.stats()
@@ -68,7 +70,9 @@ def test_redis_killed_degrades_then_reconnects(redis_server, caplog):
     assert store.open("chunk:a") is None and not store.contains("chunk:a")
     assert time.monotonic() - t0 < 2.0  # short timeouts + open circuit: the request is not stalled
     s = store.stats()
-    assert s["errors"] >= 1 and s["errors"] + s["skipped"] >= 5  # each call failed fast or was skipped
+    assert (
+        s["errors"] >= 1 and s["errors"] + s["skipped"] >= 5
+    )  # each call failed fast or was skipped
     assert any("unreachable" in r.message for r in caplog.records)
 
     redis_server.start()  # same port, empty (no persistence)
@@ -77,8 +81,14 @@ def test_redis_killed_degrades_then_reconnects(redis_server, caplog):
 
 
 def test_tiered_with_redis_promotes_and_survives_outage(redis_server, tmp_path):
-    cfg = StoreConfig(tiers=("memory", "disk", "redis"), disk_dir=tmp_path, redis_url=redis_server.url,
-                      redis_socket_timeout_s=0.2, redis_backoff_s=0.05, redis_backoff_max_s=0.2)
+    cfg = StoreConfig(
+        tiers=("memory", "disk", "redis"),
+        disk_dir=tmp_path,
+        redis_url=redis_server.url,
+        redis_socket_timeout_s=0.2,
+        redis_backoff_s=0.05,
+        redis_backoff_max_s=0.2,
+    )
     kv, kv2 = make_kv(1), make_kv(2)
     writer = create_store(cfg)
     writer.put("chunk:a", kv)
@@ -86,7 +96,9 @@ def test_tiered_with_redis_promotes_and_survives_outage(redis_server, tmp_path):
     assert writer.flush(10)
     writer.close()
 
-    other = create_store(StoreConfig(**{**cfg.__dict__, "disk_dir": tmp_path / "other"}))  # another host: only redis shared
+    other = create_store(
+        StoreConfig(**{**cfg.__dict__, "disk_dir": tmp_path / "other"})
+    )  # another host: only redis shared
     assert same(other.get("chunk:a"), kv)  # redis hit -> promoted to memory + disk
     with other.open("chunk:b") as r:  # streamed redis hit -> promoted after the last layer
         assert same(r.read_all(), kv2)
@@ -98,7 +110,9 @@ def test_tiered_with_redis_promotes_and_survives_outage(redis_server, tmp_path):
     redis_server.stop()
     other.put("chunk:c", make_kv(3))  # remote write fails in the background, never in the request
     assert other.flush(10)
-    assert same(other.get("chunk:c"), make_kv(3)) and same(other.get("chunk:a"), kv)  # local tiers serve
+    assert same(other.get("chunk:c"), make_kv(3)) and same(
+        other.get("chunk:a"), kv
+    )  # local tiers serve
     assert other.get("chunk:zzz") is None
     s = other.stats()
     assert s["redis"]["errors"] >= 1 and s["writer"]["failed"] == 0
@@ -111,8 +125,15 @@ def test_cli_reports_redis_tier(redis_server, tmp_path, capsys):
     from kvblend.cli import main
 
     _store(redis_server).put("chunk:a", make_kv())
-    assert main(["store", "stats", "--dir", str(tmp_path), "--redis-url", redis_server.url, "--json"]) == 0
+    assert (
+        main(["store", "stats", "--dir", str(tmp_path), "--redis-url", redis_server.url, "--json"])
+        == 0
+    )
     stats = json.loads(capsys.readouterr().out)
-    assert stats["redis"]["entries"] == 1 and stats["redis"]["bytes"] > 0 and stats["disk"]["entries"] == 0
+    assert (
+        stats["redis"]["entries"] == 1
+        and stats["redis"]["bytes"] > 0
+        and stats["disk"]["entries"] == 0
+    )
     assert main(["store", "clear", "--tier", "redis", "--redis-url", redis_server.url]) == 0
     assert _store(redis_server).get("chunk:a") is None

@@ -67,10 +67,10 @@ def run(args) -> int:
     from kvblend.bench.data import load_examples
     from kvblend.bench.engine_bench import bench_segments, first_token_kl
     from kvblend.config import EngineConfig, ModelConfig, validate_fidelity
-    from kvblend.policy import parse_selection, validate_ratio
     from kvblend.engine.engine import create_engine
     from kvblend.engine.fidelity import Calibration, CalibrationPoint
     from kvblend.engine.request import GenerationRequest, SamplingParams
+    from kvblend.policy import parse_selection, validate_ratio
     from kvblend.store.memory import MemoryStore
 
     try:

@@ -7,11 +7,23 @@ import argparse
 from kvblend.cli_registry import add_command_parsers
 
 BENCHES = [
-    ("engine", "kvblend.bench.engine_bench", "in-process TTFT + quality of full / prefix / reuse / blend on MuSiQue"),
+    (
+        "engine",
+        "kvblend.bench.engine_bench",
+        "in-process TTFT + quality of full / prefix / reuse / blend on MuSiQue",
+    ),
     ("store", "kvblend.bench.store_bench", "chunk KV load bandwidth per store tier vs memcpy"),
-    ("ttft", "kvblend.bench.ttft", "TTFT of an OpenAI-style endpoint: prefix hit / shuffled chunks / full recompute"),
+    (
+        "ttft",
+        "kvblend.bench.ttft",
+        "TTFT of an OpenAI-style endpoint: prefix hit / shuffled chunks / full recompute",
+    ),
     ("load", "kvblend.bench.load", "open-loop request rates against a server: throughput and TTFT"),
-    ("report", "kvblend.bench.report", "docs/benchmarks.md and the README's headline from bench/results"),
+    (
+        "report",
+        "kvblend.bench.report",
+        "docs/benchmarks.md and the README's headline from bench/results",
+    ),
 ]
 
 
@@ -21,5 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     if not getattr(args, "_bench_run", None):
-        raise ValueError("choose a benchmark: engine, store, ttft, load or report (see kvblend bench --help)")
+        raise ValueError(
+            "choose a benchmark: engine, store, ttft, load or report (see kvblend bench --help)"
+        )
     return args._bench_run(args)

@@ -15,12 +15,22 @@ DEFAULT_OUT_DIR = Path("bench/results")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, data_default: str = "musique") -> None:
-    parser.add_argument("--data", default=data_default,
-                        help="musique | hotpotqa | path to a MuSiQue-shaped .json or a .jsonl file")
+    parser.add_argument(
+        "--data",
+        default=data_default,
+        help="musique | hotpotqa | path to a MuSiQue-shaped .json or a .jsonl file",
+    )
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
-    parser.add_argument("--extra-body", type=parse_json_object, default=None, metavar="JSON",
-                        help='extra request fields passed through as-is, e.g. \'{"mode": "blend"}\'')
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where the JSON and PNG go")
+    parser.add_argument(
+        "--extra-body",
+        type=parse_json_object,
+        default=None,
+        metavar="JSON",
+        help='extra request fields passed through as-is, e.g. \'{"mode": "blend"}\'',
+    )
+    parser.add_argument(
+        "--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where the JSON and PNG go"
+    )
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -71,8 +81,12 @@ def publish(report: dict, kind: str, out_dir: Path, table_text: str, plot, no_pl
 
 def exit_code_for_errors(report: dict, section: str) -> int:
     """Print one stderr line per endpoint/``section`` entry that had errors; 1 if any did, else 0."""
-    failed = [f"{ep['endpoint']['name']}/{name}: {entry['first_error']}" for ep in report["endpoints"]
-              for name, entry in ep[section].items() if entry["errors"]]
+    failed = [
+        f"{ep['endpoint']['name']}/{name}: {entry['first_error']}"
+        for ep in report["endpoints"]
+        for name, entry in ep[section].items()
+        if entry["errors"]
+    ]
     for line in failed:
         print(f"errors in {line}", file=sys.stderr)
     return 1 if failed else 0
@@ -86,8 +100,13 @@ def client_machine() -> str:
 
 
 def report_header(kind: str, config: dict) -> dict:
-    return {"kind": kind, "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "unix_time": time.time(), "machine": client_machine(), "config": config}
+    return {
+        "kind": kind,
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "unix_time": time.time(),
+        "machine": client_machine(),
+        "config": config,
+    }
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:
@@ -113,5 +132,12 @@ def make_progress():
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(file=sys.stderr)
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True, disable=not console.is_terminal)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )

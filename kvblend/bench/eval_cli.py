@@ -14,15 +14,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_endpoint_arguments(parser, multiple=True)
     add_common_arguments(parser)
     parser.set_defaults(max_tokens=32)
-    parser.add_argument("--limit", type=positive_int, default=20, help="examples to evaluate (first N)")
-    parser.add_argument("--modes", default=DEFAULT_MODES,
-                        help="comma list: full, prefix, reuse, blend, blend@R, blend@R/SELECTION (deviation, query, "
-                             "lookahead), or default (no override)")
-    parser.add_argument("--docs", type=positive_int, default=None, help="passages per example (default: all)")
-    parser.add_argument("--no-shuffle", action="store_true",
-                        help="time the passages in the warm-up's order (default: shuffled, as re-ranked retrieval)")
-    parser.add_argument("--no-prewarm", action="store_true",
-                        help="skip the untimed request that fills the chunk cache before each example's modes")
+    parser.add_argument(
+        "--limit", type=positive_int, default=20, help="examples to evaluate (first N)"
+    )
+    parser.add_argument(
+        "--modes",
+        default=DEFAULT_MODES,
+        help="comma list: full, prefix, reuse, blend, blend@R, blend@R/SELECTION (deviation, query, "
+        "lookahead), or default (no override)",
+    )
+    parser.add_argument(
+        "--docs", type=positive_int, default=None, help="passages per example (default: all)"
+    )
+    parser.add_argument(
+        "--no-shuffle",
+        action="store_true",
+        help="time the passages in the warm-up's order (default: shuffled, as re-ranked retrieval)",
+    )
+    parser.add_argument(
+        "--no-prewarm",
+        action="store_true",
+        help="skip the untimed request that fills the chunk cache before each example's modes",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,9 +43,15 @@ def run(args: argparse.Namespace) -> int:
     from kvblend.bench.eval import EvalConfig, run_eval, table
     from kvblend.client.stream import merge_extra_body, parse_mode_list
 
-    cfg = EvalConfig(modes=parse_mode_list(args.modes), max_tokens=args.max_tokens, n_docs=args.docs,
-                     prewarm=not args.no_prewarm, extra_body=merge_extra_body(args.extra_body),
-                     shuffle=not args.no_shuffle, seed=args.seed)
+    cfg = EvalConfig(
+        modes=parse_mode_list(args.modes),
+        max_tokens=args.max_tokens,
+        n_docs=args.docs,
+        prewarm=not args.no_prewarm,
+        extra_body=merge_extra_body(args.extra_body),
+        shuffle=not args.no_shuffle,
+        seed=args.seed,
+    )
     endpoints = endpoints_from_args(args)
     examples = load_examples(args.data, args.limit)
     if not examples:

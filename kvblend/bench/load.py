@@ -15,9 +15,23 @@ import argparse
 import random
 from dataclasses import dataclass, field
 
-from kvblend.bench.common import (add_common_arguments, make_progress, markdown_table, ms, positive_int,
-                                  publish, report_header)
-from kvblend.bench.data import DEFAULT_INSTRUCTION, build_prompt, load_examples, questions, take_passages, user_messages
+from kvblend.bench.common import (
+    add_common_arguments,
+    make_progress,
+    markdown_table,
+    ms,
+    positive_int,
+    publish,
+    report_header,
+)
+from kvblend.bench.data import (
+    DEFAULT_INSTRUCTION,
+    build_prompt,
+    load_examples,
+    questions,
+    take_passages,
+    user_messages,
+)
 from kvblend.bench.metrics import summarize
 from kvblend.client.auth import Endpoint, add_endpoint_arguments, endpoints_from_args
 from kvblend.client.stream import ChatRequest, StreamResult, merge_extra_body, policy_extra_body
@@ -32,11 +46,15 @@ class LoadConfig:
     modes: list[PrefillPolicy]
     requests: int = 20  # arrivals per rate at most
     duration_s: float = 60.0  # arrival window per rate at most
-    drain_s: float = 120.0  # wait for in-flight requests after the last arrival; later ones count as timeouts
+    drain_s: float = (
+        120.0  # wait for in-flight requests after the last arrival; later ones count as timeouts
+    )
     n_docs: int = 4
     pool_docs: int = 8
     max_tokens: int = 16
-    max_inflight: int = 64  # arrivals beyond this many in flight are dropped (and counted), not queued here
+    max_inflight: int = (
+        64  # arrivals beyond this many in flight are dropped (and counted), not queued here
+    )
     knee_factor: float = 2.0
     seed: int = 0
     instruction: str = DEFAULT_INSTRUCTION
@@ -65,8 +83,13 @@ def poisson_arrivals(rate: float, count: int, duration_s: float, rng: random.Ran
     return out
 
 
-def rag_prompts(pool: list[str], qs: list[str], count: int, cfg: LoadConfig, rng: random.Random) -> list[str]:
-    return [build_prompt(cfg.instruction, rng.sample(pool, cfg.n_docs), rng.choice(qs)) for _ in range(count)]
+def rag_prompts(
+    pool: list[str], qs: list[str], count: int, cfg: LoadConfig, rng: random.Random
+) -> list[str]:
+    return [
+        build_prompt(cfg.instruction, rng.sample(pool, cfg.n_docs), rng.choice(qs))
+        for _ in range(count)
+    ]
 
 
 @dataclass
@@ -76,8 +99,16 @@ class Timed:
     result: StreamResult
 
 
-async def run_rate(client, model: str, rate: float, prompts: list[str], arrivals: list[float], cfg: LoadConfig,
-                   extra_body: dict | None, on_done=None) -> dict:
+async def run_rate(
+    client,
+    model: str,
+    rate: float,
+    prompts: list[str],
+    arrivals: list[float],
+    cfg: LoadConfig,
+    extra_body: dict | None,
+    on_done=None,
+) -> dict:
     import asyncio
 
     from kvblend.client.stream import stream_chat
@@ -91,8 +122,11 @@ async def run_rate(client, model: str, rate: float, prompts: list[str], arrivals
         nonlocal inflight
         sent = loop.time() - start
         try:
-            r = await stream_chat(client, model, ChatRequest(user_messages(prompt), cfg.max_tokens,
-                                                             extra_body=extra_body))
+            r = await stream_chat(
+                client,
+                model,
+                ChatRequest(user_messages(prompt), cfg.max_tokens, extra_body=extra_body),
+            )
         finally:
             inflight -= 1
         if on_done:
@@ -118,19 +152,33 @@ async def run_rate(client, model: str, rate: float, prompts: list[str], arrivals
     ok = [x for x in timed if x.result.ok]
     # Rates between first and last event, (n-1)/span for both sides: a served-on-time run gives
     # throughput ~= arrival rate, a saturated one completes at the server's service rate.
-    finish_span = (max(x.finished_at for x in ok) - min(x.finished_at for x in ok)) if len(ok) > 1 else None
+    finish_span = (
+        (max(x.finished_at for x in ok) - min(x.finished_at for x in ok)) if len(ok) > 1 else None
+    )
     span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else None
-    reported = [x.result for x in ok if x.result.cached_tokens is not None and x.result.prompt_tokens]
+    reported = [
+        x.result for x in ok if x.result.cached_tokens is not None and x.result.prompt_tokens
+    ]
     return {
-        "rate": rate, "arrivals": len(arrivals), "sent": len(tasks), "dropped": dropped, "completed": len(ok),
-        "errors": len(timed) - len(ok), "timeouts": len(pending),
+        "rate": rate,
+        "arrivals": len(arrivals),
+        "sent": len(tasks),
+        "dropped": dropped,
+        "completed": len(ok),
+        "errors": len(timed) - len(ok),
+        "timeouts": len(pending),
         "first_error": next((x.result.error for x in timed if not x.result.ok), None),
-        "arrival_rps": (len(arrivals) - 1) / span if span else None,  # realised; few arrivals stray from nominal
+        "arrival_rps": (len(arrivals) - 1) / span
+        if span
+        else None,  # realised; few arrivals stray from nominal
         "throughput_rps": (len(ok) - 1) / finish_span if finish_span else None,
         "ttft_ms": summarize([ms(x.result.ttft_s) for x in ok]).to_dict(),
         "latency_ms": summarize([ms(x.result.total_s) for x in ok]).to_dict(),
-        "cached_share": (sum(r.cached_tokens for r in reported) / sum(r.prompt_tokens for r in reported)
-                         if reported else None),
+        "cached_share": (
+            sum(r.cached_tokens for r in reported) / sum(r.prompt_tokens for r in reported)
+            if reported
+            else None
+        ),
     }
 
 
@@ -156,28 +204,57 @@ def find_knee(runs: list[dict], knee_factor: float) -> dict:
     return {"knee_rps": knee, "saturated_at": None}
 
 
-async def load_endpoint(endpoint: Endpoint, pool: list[str], qs: list[str], cfg: LoadConfig, progress) -> dict:
+async def load_endpoint(
+    endpoint: Endpoint, pool: list[str], qs: list[str], cfg: LoadConfig, progress
+) -> dict:
     from kvblend.client.stream import make_async_client, resolve_model_id, stream_chat
 
-    client = make_async_client(endpoint, max_retries=0)  # a retry would be a second, unscheduled arrival
+    client = make_async_client(
+        endpoint, max_retries=0
+    )  # a retry would be a second, unscheduled arrival
     try:
         model = await resolve_model_id(client, endpoint)
-        out: dict = {"endpoint": endpoint.public_dict(), "model": model, "modes": {}, "knees": {}, "saturation": {}}
+        out: dict = {
+            "endpoint": endpoint.public_dict(),
+            "model": model,
+            "modes": {},
+            "knees": {},
+            "saturation": {},
+        }
         for mode in cfg.modes:
             extra = merge_extra_body(cfg.extra_body, policy_extra_body(mode))
             # Warm-up (unmeasured): every pool document once, so reuse modes start from a filled cache.
             for i in range(0, len(pool), cfg.n_docs):
-                docs = pool[i:i + cfg.n_docs]
-                await stream_chat(client, model, ChatRequest(
-                    user_messages(build_prompt(cfg.instruction, docs, qs[0])), 1, extra_body=extra))
+                docs = pool[i : i + cfg.n_docs]
+                await stream_chat(
+                    client,
+                    model,
+                    ChatRequest(
+                        user_messages(build_prompt(cfg.instruction, docs, qs[0])),
+                        1,
+                        extra_body=extra,
+                    ),
+                )
             rng = random.Random(cfg.seed)  # every mode sees the same arrivals and prompts
             runs = []
             for rate in cfg.rates:
                 arrivals = poisson_arrivals(rate, cfg.requests, cfg.duration_s, rng)
                 prompts = rag_prompts(pool, qs, len(arrivals), cfg, rng)
-                task = progress.add_task(f"{endpoint.name} {mode.label} @ {rate:g} req/s", total=len(arrivals))
-                runs.append(await run_rate(client, model, rate, prompts, arrivals, cfg, extra,
-                                           lambda: progress.advance(task)))
+                task = progress.add_task(
+                    f"{endpoint.name} {mode.label} @ {rate:g} req/s", total=len(arrivals)
+                )
+                runs.append(
+                    await run_rate(
+                        client,
+                        model,
+                        rate,
+                        prompts,
+                        arrivals,
+                        cfg,
+                        extra,
+                        lambda: progress.advance(task),
+                    )
+                )
             out["modes"][mode.label] = runs
             knee = find_knee(runs, cfg.knee_factor)
             out["knees"][mode.label] = knee["knee_rps"]
@@ -193,7 +270,9 @@ def run_load(endpoints: list[Endpoint], pool: list[str], qs: list[str], cfg: Loa
     config = {k: v for k, v in vars(cfg).items() if k != "modes"}
     report = report_header("load", {**config, "modes": cfg.labels})
     with make_progress() as progress:
-        report["endpoints"] = [asyncio.run(load_endpoint(ep, pool, qs, cfg, progress)) for ep in endpoints]
+        report["endpoints"] = [
+            asyncio.run(load_endpoint(ep, pool, qs, cfg, progress)) for ep in endpoints
+        ]
     return report
 
 
@@ -202,16 +281,44 @@ def table(report: dict) -> str:
     for ep in report["endpoints"]:
         for label, runs in ep["modes"].items():
             for r in runs:
-                rows.append([ep["endpoint"]["name"], label, r["rate"], r["sent"], r["completed"],
-                             r["errors"] + r["timeouts"] + r["dropped"], r["throughput_rps"], r["ttft_ms"]["p50"],
-                             r["ttft_ms"]["p95"], r["latency_ms"]["p95"]])
-    text = markdown_table(["endpoint", "mode", "offered req/s", "sent", "ok", "failed/dropped", "throughput req/s",
-                           "TTFT p50 ms", "TTFT p95 ms", "latency p95 ms"], rows)
+                rows.append(
+                    [
+                        ep["endpoint"]["name"],
+                        label,
+                        r["rate"],
+                        r["sent"],
+                        r["completed"],
+                        r["errors"] + r["timeouts"] + r["dropped"],
+                        r["throughput_rps"],
+                        r["ttft_ms"]["p50"],
+                        r["ttft_ms"]["p95"],
+                        r["latency_ms"]["p95"],
+                    ]
+                )
+    text = markdown_table(
+        [
+            "endpoint",
+            "mode",
+            "offered req/s",
+            "sent",
+            "ok",
+            "failed/dropped",
+            "throughput req/s",
+            "TTFT p50 ms",
+            "TTFT p95 ms",
+            "latency p95 ms",
+        ],
+        rows,
+    )
     knees = []
     for ep in report["endpoints"]:
         for label, knee in ep["knees"].items():
             sat = ep["saturation"][label]
-            where = f"saturates at {sat:g} req/s" if sat is not None else "not saturated within the rates tried"
+            where = (
+                f"saturates at {sat:g} req/s"
+                if sat is not None
+                else "not saturated within the rates tried"
+            )
             kneed = f"{knee:g} req/s" if knee is not None else "below the lowest rate"
             knees.append(f"knee {ep['endpoint']['name']} {label}: {kneed} ({where})")
     return text + "\n\n" + "\n".join(knees)
@@ -227,27 +334,54 @@ def _rates(text: str) -> list[float]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_endpoint_arguments(parser, multiple=True)
     add_common_arguments(parser)
-    parser.add_argument("--rates", type=_rates, default=[0.25, 0.5, 1.0, 2.0], help="offered req/s, comma list")
-    parser.add_argument("--modes", default="full,blend@0.15",
-                        help="comma list of full, prefix, reuse, blend, blend@R, blend@R/SELECTION (deviation, query, "
-                             "lookahead), default (no override)")
-    parser.add_argument("--requests", type=positive_int, default=20, help="arrivals per rate at most")
-    parser.add_argument("--duration", type=float, default=60.0, help="arrival window per rate at most (s)")
-    parser.add_argument("--drain", type=float, default=120.0, help="wait for in-flight requests after arrivals (s)")
+    parser.add_argument(
+        "--rates", type=_rates, default=[0.25, 0.5, 1.0, 2.0], help="offered req/s, comma list"
+    )
+    parser.add_argument(
+        "--modes",
+        default="full,blend@0.15",
+        help="comma list of full, prefix, reuse, blend, blend@R, blend@R/SELECTION (deviation, query, "
+        "lookahead), default (no override)",
+    )
+    parser.add_argument(
+        "--requests", type=positive_int, default=20, help="arrivals per rate at most"
+    )
+    parser.add_argument(
+        "--duration", type=float, default=60.0, help="arrival window per rate at most (s)"
+    )
+    parser.add_argument(
+        "--drain", type=float, default=120.0, help="wait for in-flight requests after arrivals (s)"
+    )
     parser.add_argument("--docs", type=positive_int, default=4, help="documents per prompt")
-    parser.add_argument("--pool", type=positive_int, default=8, help="documents the prompts draw from")
+    parser.add_argument(
+        "--pool", type=positive_int, default=8, help="documents the prompts draw from"
+    )
     parser.add_argument("--max-inflight", type=positive_int, default=64)
-    parser.add_argument("--knee-factor", type=float, default=2.0,
-                        help="saturation when TTFT p95 exceeds this multiple of the lowest rate's")
+    parser.add_argument(
+        "--knee-factor",
+        type=float,
+        default=2.0,
+        help="saturation when TTFT p95 exceeds this multiple of the lowest rate's",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from kvblend.client.stream import parse_mode_list
 
-    cfg = LoadConfig(rates=args.rates, modes=parse_mode_list(args.modes), requests=args.requests,
-                     duration_s=args.duration, drain_s=args.drain, n_docs=args.docs, pool_docs=args.pool,
-                     max_tokens=args.max_tokens, max_inflight=args.max_inflight, knee_factor=args.knee_factor,
-                     seed=args.seed, extra_body=merge_extra_body(args.extra_body))
+    cfg = LoadConfig(
+        rates=args.rates,
+        modes=parse_mode_list(args.modes),
+        requests=args.requests,
+        duration_s=args.duration,
+        drain_s=args.drain,
+        n_docs=args.docs,
+        pool_docs=args.pool,
+        max_tokens=args.max_tokens,
+        max_inflight=args.max_inflight,
+        knee_factor=args.knee_factor,
+        seed=args.seed,
+        extra_body=merge_extra_body(args.extra_body),
+    )
     endpoints = endpoints_from_args(args)
     examples = load_examples(args.data)
     pool = take_passages(examples, cfg.pool_docs, str(args.data), "--pool")

@@ -47,7 +47,11 @@ def rouge_l(prediction: str, reference: str) -> float:
     """Rouge-L F-measure; rouge-score tokenizes on alphanumerics, lower-cased, without stemming."""
     from rouge_score import rouge_scorer
 
-    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False).score(reference, prediction)["rougeL"].fmeasure
+    return (
+        rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+        .score(reference, prediction)["rougeL"]
+        .fmeasure
+    )
 
 
 def clean_answer(text: str) -> str:
@@ -85,4 +89,11 @@ def summarize(values: list[float]) -> Summary:
     vals = sorted(v for v in values if v is not None)
     if not vals:
         return Summary(0, None, None, None, None, None)
-    return Summary(len(vals), sum(vals) / len(vals), percentile(vals, 50), percentile(vals, 95), vals[0], vals[-1])
+    return Summary(
+        len(vals),
+        sum(vals) / len(vals),
+        percentile(vals, 50),
+        percentile(vals, 95),
+        vals[0],
+        vals[-1],
+    )

@@ -15,8 +15,12 @@ def _pyplot():
 
 
 def _models(report: dict) -> str:
-    return ", ".join(dict.fromkeys(str(ep.get("model") or ep["endpoint"].get("model_id") or "?")
-                                   for ep in report["endpoints"]))
+    return ", ".join(
+        dict.fromkeys(
+            str(ep.get("model") or ep["endpoint"].get("model_id") or "?")
+            for ep in report["endpoints"]
+        )
+    )
 
 
 def _caption(report: dict, n: str) -> str:
@@ -26,7 +30,14 @@ def _caption(report: dict, n: str) -> str:
 
 def _label_points(ax, xs, ys, fmt: str = "{:.2f}") -> None:
     for x, y in zip(xs, ys):
-        ax.annotate(fmt.format(y), (x, y), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
+        ax.annotate(
+            fmt.format(y),
+            (x, y),
+            textcoords="offset points",
+            xytext=(0, 5),
+            ha="center",
+            fontsize=7,
+        )
 
 
 def plot_ttft(report: dict, path: Path) -> None:
@@ -45,13 +56,18 @@ def plot_ttft(report: dict, path: Path) -> None:
             xs.append(j + (i - (len(endpoints) - 1) / 2) * width)
             p50.append(t["p50"])
             err.append(t["p95"] - t["p50"])
-        bars = ax.bar(xs, p50, width, yerr=[[0] * len(err), err], capsize=3, label=ep["endpoint"]["name"])
+        bars = ax.bar(
+            xs, p50, width, yerr=[[0] * len(err), err], capsize=3, label=ep["endpoint"]["name"]
+        )
         ax.bar_label(bars, labels=[f"{v:.0f}" for v in p50], fontsize=7, padding=2)
     ax.set_xticks(range(len(scenarios)), scenarios)
     ax.set_ylabel("TTFT ms (bar and label p50, whisker p95)")
     cfg = report["config"]
-    ax.set_title("Time to first token by cache scenario\n"
-                 + _caption(report, f"n = {cfg.get('rounds')} rounds x {cfg.get('docs')} docs"), fontsize=9)
+    ax.set_title(
+        "Time to first token by cache scenario\n"
+        + _caption(report, f"n = {cfg.get('rounds')} rounds x {cfg.get('docs')} docs"),
+        fontsize=9,
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -67,13 +83,18 @@ def plot_quality_vs_ttft(report: dict, path: Path) -> None:
     panels = (("f1", "task F1"), ("agree_rougeL", "answer Rouge-L vs full prefill"))
     for ax, (metric, label) in zip(axes, panels):
         for ep in report["endpoints"]:
-            pts = [(m["ttft_ms"]["mean"], m.get(metric), name) for name, m in ep["modes"].items()
-                   if m["ttft_ms"]["mean"] is not None and m.get(metric) is not None]
+            pts = [
+                (m["ttft_ms"]["mean"], m.get(metric), name)
+                for name, m in ep["modes"].items()
+                if m["ttft_ms"]["mean"] is not None and m.get(metric) is not None
+            ]
             if not pts:
                 continue
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", label=ep["endpoint"]["name"])
             for x, y, name in pts:
-                ax.annotate(f"{name} {y:.2f}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+                ax.annotate(
+                    f"{name} {y:.2f}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7
+                )
         ax.set_xlabel("mean TTFT (ms)")
         ax.set_ylabel(label)
         ax.set_ylim(-0.05, 1.1)
@@ -82,8 +103,11 @@ def plot_quality_vs_ttft(report: dict, path: Path) -> None:
     axes[1].set_title("agreement with full prefill (1 = same answer)", fontsize=9)
     axes[0].legend(fontsize=8)
     n = report["config"].get("examples")
-    fig.suptitle(f"Quality vs TTFT ({report['config'].get('data', '')}) | "
-                 + _caption(report, f"n = {n} examples"), fontsize=9)
+    fig.suptitle(
+        f"Quality vs TTFT ({report['config'].get('data', '')}) | "
+        + _caption(report, f"n = {n} examples"),
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -105,15 +129,23 @@ def plot_load(report: dict, path: Path) -> None:
             rates = [r["rate"] for r in runs]
             ax_tp.plot(rates, [r["throughput_rps"] for r in runs], "o-", label=label)
             p50 = [r["ttft_ms"]["p50"] for r in runs]
-            line, = ax_lat.plot(rates, p50, "o-", label=f"{label} p50")
+            (line,) = ax_lat.plot(rates, p50, "o-", label=f"{label} p50")
             _label_points(ax_lat, rates, p50, "{:.0f}")
             _label_points(ax_tp, rates, [r["throughput_rps"] for r in runs])
-            ax_lat.plot(rates, [r["ttft_ms"]["p95"] for r in runs], "s--", color=line.get_color(),
-                        label=f"{label} p95")
+            ax_lat.plot(
+                rates,
+                [r["ttft_ms"]["p95"] for r in runs],
+                "s--",
+                color=line.get_color(),
+                label=f"{label} p95",
+            )
             knee = ep["knees"].get(mode)
             if knee is not None:
                 ax_tp.axvline(knee, color=line.get_color(), alpha=0.3)
-    top = max((r["rate"] for ep in report["endpoints"] for runs in ep["modes"].values() for r in runs), default=1)
+    top = max(
+        (r["rate"] for ep in report["endpoints"] for runs in ep["modes"].values() for r in runs),
+        default=1,
+    )
     ax_tp.plot([0, top], [0, top], ":", color="grey", label="offered")
     ax_tp.set_xlabel("offered rate (req/s)")
     ax_tp.set_ylabel("throughput (req/s)")
@@ -123,8 +155,14 @@ def plot_load(report: dict, path: Path) -> None:
     ax_tp.legend(fontsize=8)
     ax_lat.legend(fontsize=8)
     cfg = report["config"]
-    fig.suptitle("Open-loop load (vertical line: knee) | " + _caption(
-        report, f"n = {cfg.get('requests', '?')} requests a rate, {cfg.get('n_docs', '?')} docs each"), fontsize=9)
+    fig.suptitle(
+        "Open-loop load (vertical line: knee) | "
+        + _caption(
+            report,
+            f"n = {cfg.get('requests', '?')} requests a rate, {cfg.get('n_docs', '?')} docs each",
+        ),
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -144,9 +182,13 @@ def plot_engine(result: dict, path: Path) -> None:
     prefill; right, first-token agreement and F1 as a share of full's."""
     plt = _pyplot()
     curve = result["quality_vs_ratio"]
-    blend_points = [p for p in curve if p["mode"] == "blend"]  # quality_curve gives each its selection
-    lines = {sel: [p for p in blend_points if p["selection"] == sel]
-             for sel in dict.fromkeys(p["selection"] for p in blend_points)}  # one line per token selection
+    blend_points = [
+        p for p in curve if p["mode"] == "blend"
+    ]  # quality_curve gives each its selection
+    lines = {
+        sel: [p for p in blend_points if p["selection"] == sel]
+        for sel in dict.fromkeys(p["selection"] for p in blend_points)
+    }  # one line per token selection
     ends = [p for p in curve if p["mode"] != "blend"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for sel, blend in lines.items():
@@ -159,8 +201,10 @@ def plot_engine(result: dict, path: Path) -> None:
     left.set_xlabel("recompute ratio")
     left.set_ylabel("median TTFT speedup vs full (log)")
     left.legend()
-    for metric, label, color in (("first_token_agreement", "first-token agreement", "tab:blue"),
-                                 ("f1_share_of_full", "F1 / full's F1", "tab:green")):
+    for metric, label, color in (
+        ("first_token_agreement", "first-token agreement", "tab:blue"),
+        ("f1_share_of_full", "F1 / full's F1", "tab:green"),
+    ):
         pts = [p for p in curve if p[metric] is not None]
         for sel, style in zip(lines, ("o-", "^--", "v:")):
             blend = [p for p in lines[sel] if p[metric] is not None]
@@ -170,16 +214,25 @@ def plot_engine(result: dict, path: Path) -> None:
         for mode, marker in (("reuse", "x"), ("full", "s")):
             at = [p for p in pts if p["mode"] == mode]
             if at:  # a mode the run left out gets no legend entry
-                right.plot([p["ratio"] for p in at], [p[metric] for p in at], marker, color=color, markersize=8,
-                           label=f"{mode}: {label}")
+                right.plot(
+                    [p["ratio"] for p in at],
+                    [p[metric] for p in at],
+                    marker,
+                    color=color,
+                    markersize=8,
+                    label=f"{mode}: {label}",
+                )
     right.axhline(0.9, color="grey", linestyle=":", linewidth=1)
     right.set_xlabel("recompute ratio")
     right.set_ylabel("vs full prefill")
     right.legend(fontsize=8)
     where = result.get("device_name") or result.get("device", "cpu")
     threads = f", {result['threads']} threads" if result.get("threads") else ""
-    fig.suptitle(f"bench engine: {result['model']} ({result['dtype']}) | {where}{threads} | "
-                 f"n = {result['examples']} {_data_name(result)} examples", fontsize=9)
+    fig.suptitle(
+        f"bench engine: {result['model']} ({result['dtype']}) | {where}{threads} | "
+        f"n = {result['examples']} {_data_name(result)} examples",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -21,11 +21,20 @@ DEFAULT_MODE = "blend@0.15"  # the row the headline shows: the engine's default 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", type=Path, default=Path("bench/results"), help="result JSON folder")
-    p.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"), help="the document to write")
-    p.add_argument("--readme", type=Path, default=Path("README.md"),
-                   help="file whose headline block is rewritten ('' to leave it alone)")
-    p.add_argument("--check", action="store_true",
-                   help="write nothing; exit 1 if a document differs from what the results give")
+    p.add_argument(
+        "--out", type=Path, default=Path("docs/benchmarks.md"), help="the document to write"
+    )
+    p.add_argument(
+        "--readme",
+        type=Path,
+        default=Path("README.md"),
+        help="file whose headline block is rewritten ('' to leave it alone)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if a document differs from what the results give",
+    )
 
 
 def load_results(folder: Path) -> list[tuple[Path, dict]]:
@@ -51,12 +60,15 @@ def _kind(data: dict) -> str:
 
 # --- sections ------------------------------------------------------------------------------------
 
+
 def engine_section(path: Path, data: dict) -> str:
     from kvblend.bench.engine_bench import render_table
 
     threads = f", {data['threads']} threads" if data.get("threads") else ""
-    return (f"{render_table(data)}\n\n`{path.as_posix()}`, run {_when(data) or 'at an unrecorded time'}"
-            f"{threads}, median prompt {_tokens(data.get('prompt_tokens_median'))} tokens.")
+    return (
+        f"{render_table(data)}\n\n`{path.as_posix()}`, run {_when(data) or 'at an unrecorded time'}"
+        f"{threads}, median prompt {_tokens(data.get('prompt_tokens_median'))} tokens."
+    )
 
 
 def ttft_section(path: Path, data: dict) -> str:
@@ -68,13 +80,36 @@ def ttft_section(path: Path, data: dict) -> str:
             s = ep["scenarios"].get(name)
             if s:
                 t = s["ttft_ms"]
-                rows.append([ep["endpoint"]["name"], ep.get("model"), name, s["requests"], t["p50"],
-                             t["p95"], s.get("cached_share"), s["errors"]])
-    table = markdown_table(["server", "model", "scenario", "requests", "TTFT p50 (ms)", "TTFT p95 (ms)",
-                            "cached share", "errors"], rows)
-    return (f"### bench ttft: {cfg.get('docs') or cfg.get('n_docs')} documents a prompt, {cfg.get('rounds')}"
-            f" rounds\n\n{table}\n\n`{path.as_posix()}`, run {_when(data)}, "
-            f"{data.get('machine') or 'machine not recorded'}.")
+                rows.append(
+                    [
+                        ep["endpoint"]["name"],
+                        ep.get("model"),
+                        name,
+                        s["requests"],
+                        t["p50"],
+                        t["p95"],
+                        s.get("cached_share"),
+                        s["errors"],
+                    ]
+                )
+    table = markdown_table(
+        [
+            "server",
+            "model",
+            "scenario",
+            "requests",
+            "TTFT p50 (ms)",
+            "TTFT p95 (ms)",
+            "cached share",
+            "errors",
+        ],
+        rows,
+    )
+    return (
+        f"### bench ttft: {cfg.get('docs') or cfg.get('n_docs')} documents a prompt, {cfg.get('rounds')}"
+        f" rounds\n\n{table}\n\n`{path.as_posix()}`, run {_when(data)}, "
+        f"{data.get('machine') or 'machine not recorded'}."
+    )
 
 
 def eval_section(path: Path, data: dict) -> str:
@@ -82,13 +117,38 @@ def eval_section(path: Path, data: dict) -> str:
     rows = []
     for ep in data["endpoints"]:
         for name, m in ep["modes"].items():
-            rows.append([ep["endpoint"]["name"], name, m["n"], m["f1"], m.get("agree_rougeL"),
-                         m.get("agree_em"), m["ttft_ms"]["p50"], m.get("cached_share"), m["errors"]])
-    table = markdown_table(["server", "mode", "n", "F1", "Rouge-L vs full", "same answer as full",
-                            "TTFT p50 (ms)", "cached share", "errors"], rows)
-    return (f"### eval: {cfg.get('data')}, {cfg.get('examples')} examples, {cfg.get('max_tokens')} tokens"
-            f"\n\n{table}\n\n`{path.as_posix()}`, run {_when(data)}, "
-            f"{data.get('machine') or 'machine not recorded'}.")
+            rows.append(
+                [
+                    ep["endpoint"]["name"],
+                    name,
+                    m["n"],
+                    m["f1"],
+                    m.get("agree_rougeL"),
+                    m.get("agree_em"),
+                    m["ttft_ms"]["p50"],
+                    m.get("cached_share"),
+                    m["errors"],
+                ]
+            )
+    table = markdown_table(
+        [
+            "server",
+            "mode",
+            "n",
+            "F1",
+            "Rouge-L vs full",
+            "same answer as full",
+            "TTFT p50 (ms)",
+            "cached share",
+            "errors",
+        ],
+        rows,
+    )
+    return (
+        f"### eval: {cfg.get('data')}, {cfg.get('examples')} examples, {cfg.get('max_tokens')} tokens"
+        f"\n\n{table}\n\n`{path.as_posix()}`, run {_when(data)}, "
+        f"{data.get('machine') or 'machine not recorded'}."
+    )
 
 
 def load_section(path: Path, data: dict) -> str:
@@ -96,23 +156,39 @@ def load_section(path: Path, data: dict) -> str:
     for ep in data["endpoints"]:
         for mode, runs in ep["modes"].items():
             for r in runs:
-                rows.append([ep["endpoint"]["name"], mode, r["rate"], r["throughput_rps"],
-                             r["ttft_ms"]["p50"], r["ttft_ms"]["p95"]])
-    table = markdown_table(["server", "mode", "offered req/s", "achieved req/s", "TTFT p50 (ms)",
-                            "TTFT p95 (ms)"], rows)
+                rows.append(
+                    [
+                        ep["endpoint"]["name"],
+                        mode,
+                        r["rate"],
+                        r["throughput_rps"],
+                        r["ttft_ms"]["p50"],
+                        r["ttft_ms"]["p95"],
+                    ]
+                )
+    table = markdown_table(
+        ["server", "mode", "offered req/s", "achieved req/s", "TTFT p50 (ms)", "TTFT p95 (ms)"],
+        rows,
+    )
     return f"### bench load\n\n{table}\n\n`{path.as_posix()}`, run {_when(data)}."
 
 
-SECTIONS = {"engine": ("Engine: `kvblend bench engine`", engine_section),
-            "ttft": ("Server TTFT: `kvblend bench ttft` (kvblend and peers)", ttft_section),
-            "eval": ("Answer quality through the API: `kvblend eval`", eval_section),
-            "load": ("Open-loop load: `kvblend bench load`", load_section)}
+SECTIONS = {
+    "engine": ("Engine: `kvblend bench engine`", engine_section),
+    "ttft": ("Server TTFT: `kvblend bench ttft` (kvblend and peers)", ttft_section),
+    "eval": ("Answer quality through the API: `kvblend eval`", eval_section),
+    "load": ("Open-loop load: `kvblend bench load`", load_section),
+}
 
 
 def render_document(results: list[tuple[Path, dict]]) -> str:
-    lines = ["# Benchmarks", "",
-             "Generated by `kvblend bench report` from `bench/results/*.json`; do not edit by hand. "
-             "Each table names its file; every run says its model, machine and number of prompts.", ""]
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `kvblend bench report` from `bench/results/*.json`; do not edit by hand. "
+        "Each table names its file; every run says its model, machine and number of prompts.",
+        "",
+    ]
     for kind, (title, render) in SECTIONS.items():
         runs = [(p, d) for p, d in results if _kind(d) == kind]
         if not runs:
@@ -125,45 +201,85 @@ def render_document(results: list[tuple[Path, dict]]) -> str:
                 lines += [f"`{path.as_posix()}`: not rendered ({type(e).__name__}: {e}).", ""]
     others = [p for p, d in results if _kind(d) not in SECTIONS]
     if others:
-        lines += ["## Other result files", "", "Written by the scripts under `scripts/` (their own formats):",
-                  ""] + [f"- `{p.as_posix()}`" for p in sorted(others)] + [""]
+        lines += (
+            [
+                "## Other result files",
+                "",
+                "Written by the scripts under `scripts/` (their own formats):",
+                "",
+            ]
+            + [f"- `{p.as_posix()}`" for p in sorted(others)]
+            + [""]
+        )
     return "\n".join(lines).rstrip() + "\n"
 
 
 # --- README headline -------------------------------------------------------------------------------
+
 
 def headline(results: list[tuple[Path, dict]]) -> str:
     """Per model: the newest engine run of at least HEADLINE_MIN_EXAMPLES prompts (full prefill against
     the default blend), and the newest server run against vLLM on shuffled chunks."""
     rows, seen = [], set()
     for path, d in results:
-        if _kind(d) != "engine" or d.get("examples", 0) < HEADLINE_MIN_EXAMPLES or d["model"] in seen:
+        if (
+            _kind(d) != "engine"
+            or d.get("examples", 0) < HEADLINE_MIN_EXAMPLES
+            or d["model"] in seen
+        ):
             continue
         by_name = {r["name"]: r for r in d["modes"]}
         full, blend = by_name.get("full"), by_name.get(DEFAULT_MODE)
         if not full or not blend:
             continue
         seen.add(d["model"])
-        rows.append([d["model"], f"{d.get('device_name', '?')}, {d.get('threads', '?')} threads, "
-                     f"{d['dtype']}", f"{d['examples']} {_data_name(d)}", f"{full['ttft_median_ms']:.0f}",
-                     f"{blend['ttft_median_ms']:.0f}", f"{blend.get('speedup_paired_median') or 0:.2f}x",
-                     f"{blend['first_token_agreement']:.0%}", blend.get("first_token_kl_vs_full"),
-                     blend["rouge_l_vs_full"], f"`{path.name}`"])
-    table = markdown_table(["model", "machine", "prompts", "full prefill TTFT (ms)",
-                            f"{DEFAULT_MODE} TTFT (ms)", "paired speed-up", "first-token agreement",
-                            "first-token KL", "answer Rouge-L vs full", "data"], rows)
+        rows.append(
+            [
+                d["model"],
+                f"{d.get('device_name', '?')}, {d.get('threads', '?')} threads, {d['dtype']}",
+                f"{d['examples']} {_data_name(d)}",
+                f"{full['ttft_median_ms']:.0f}",
+                f"{blend['ttft_median_ms']:.0f}",
+                f"{blend.get('speedup_paired_median') or 0:.2f}x",
+                f"{blend['first_token_agreement']:.0%}",
+                blend.get("first_token_kl_vs_full"),
+                blend["rouge_l_vs_full"],
+                f"`{path.name}`",
+            ]
+        )
+    table = markdown_table(
+        [
+            "model",
+            "machine",
+            "prompts",
+            "full prefill TTFT (ms)",
+            f"{DEFAULT_MODE} TTFT (ms)",
+            "paired speed-up",
+            "first-token agreement",
+            "first-token KL",
+            "answer Rouge-L vs full",
+            "data",
+        ],
+        rows,
+    )
     return table + "\n\n" + _peer_line(results)
 
 
 def _peer_line(results: list[tuple[Path, dict]]) -> str:
     for path, d in results:
-        names = {ep["endpoint"]["name"]: ep for ep in d.get("endpoints", [])} if _kind(d) == "ttft" else {}
+        names = (
+            {ep["endpoint"]["name"]: ep for ep in d.get("endpoints", [])}
+            if _kind(d) == "ttft"
+            else {}
+        )
         if "kvblend" in names and "vllm" in names:
             ours = names["kvblend"]["scenarios"]["shuffled"]["ttft_ms"]["p50"]
             theirs = names["vllm"]["scenarios"]["shuffled"]["ttft_ms"]["p50"]
-            return (f"Against vLLM-CPU with prefix caching, re-ordered chunks ({names['kvblend'].get('model')},"
-                    f" server TTFT p50): kvblend {ours:.0f} ms, vLLM {theirs:.0f} ms, "
-                    f"{theirs / ours:.2f}x (`{path.name}`).")
+            return (
+                f"Against vLLM-CPU with prefix caching, re-ordered chunks ({names['kvblend'].get('model')},"
+                f" server TTFT p50): kvblend {ours:.0f} ms, vLLM {theirs:.0f} ms, "
+                f"{theirs / ours:.2f}x (`{path.name}`)."
+            )
     return "No server run against vLLM in bench/results yet."
 
 
@@ -171,15 +287,19 @@ def replace_block(text: str, block: str) -> str:
     start, end = text.find(HEADLINE_BEGIN), text.find(HEADLINE_END)
     if start < 0 or end < start:
         raise ValueError(f"the README has no headline block ({HEADLINE_BEGIN} ... {HEADLINE_END})")
-    return text[:start + len(HEADLINE_BEGIN)] + "\n" + block + "\n" + text[end:]
+    return text[: start + len(HEADLINE_BEGIN)] + "\n" + block + "\n" + text[end:]
 
 
 def run(args: argparse.Namespace) -> int:
     results = load_results(args.results)
     outputs = {args.out: render_document(results)}
     if str(args.readme) not in ("", "."):
-        outputs[args.readme] = replace_block(args.readme.read_text(encoding="utf-8"), headline(results))
-    stale = [p for p, text in outputs.items() if not p.is_file() or p.read_text(encoding="utf-8") != text]
+        outputs[args.readme] = replace_block(
+            args.readme.read_text(encoding="utf-8"), headline(results)
+        )
+    stale = [
+        p for p, text in outputs.items() if not p.is_file() or p.read_text(encoding="utf-8") != text
+    ]
     if args.check:
         for p in stale:
             print(f"{p} is out of date: run `kvblend bench report`", file=sys.stderr)

@@ -29,21 +29,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per measurement (median reported)")
-    parser.add_argument("--tiers", default="memory,disk,redis", help="comma list of tiers to measure")
-    parser.add_argument("--dir", default=None, help="disk tier directory (default: a fresh temp dir, removed after)")
-    parser.add_argument("--redis-url", default=None, help="existing Redis to use (default: start redis-server on a free port)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed repetitions per measurement (median reported)"
+    )
+    parser.add_argument(
+        "--tiers", default="memory,disk,redis", help="comma list of tiers to measure"
+    )
+    parser.add_argument(
+        "--dir", default=None, help="disk tier directory (default: a fresh temp dir, removed after)"
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="existing Redis to use (default: start redis-server on a free port)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (default 1: the loader is one thread beside compute; "
-                             "more threads on a busy box mostly add noise)")
-    parser.add_argument("--e2e", action="store_true",
-                        help="also time blend@0.15 TTFT on the embedded model with the KV in each tier, "
-                             "with and without layer-by-layer pipelining")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: the loader is one thread beside compute; "
+        "more threads on a busy box mostly add noise)",
+    )
+    parser.add_argument(
+        "--e2e",
+        action="store_true",
+        help="also time blend@0.15 TTFT on the embedded model with the KV in each tier, "
+        "with and without layer-by-layer pipelining",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
 
 
-def synth_chunks(n: int, min_len: int, max_len: int, layers: int, kv_heads: int, head_dim: int, seed: int = 0) -> dict:
+def synth_chunks(
+    n: int, min_len: int, max_len: int, layers: int, kv_heads: int, head_dim: int, seed: int = 0
+) -> dict:
     """{key: ChunkKV} with k, v [layers, kv_heads, L, head_dim] bf16, L uniform in [min_len, max_len]."""
     import torch
 
@@ -55,13 +74,20 @@ def synth_chunks(n: int, min_len: int, max_len: int, layers: int, kv_heads: int,
     for i in range(n):
         length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
         shape = (layers, kv_heads, length, head_dim)
-        kv = ChunkKV(torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16())
+        kv = ChunkKV(
+            torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16()
+        )
         out[make_chunk_key("bench-synthetic", [], [seed, i, length], namespace="bench")] = kv
     return out
 
 
-def tier_stores_for_bench(chunks: dict, tiers: tuple[str, ...] = ("memory", "disk", "redis"), *,
-                          disk_dir: str | os.PathLike | None = None, redis_url: str | None = None) -> dict:
+def tier_stores_for_bench(
+    chunks: dict,
+    tiers: tuple[str, ...] = ("memory", "disk", "redis"),
+    *,
+    disk_dir: str | os.PathLike | None = None,
+    redis_url: str | None = None,
+) -> dict:
     """One single-tier store per name, each already holding every chunk (writes flushed).
 
     Hook for the engine benchmark (blend TTFT with the KV in each tier): pass the engine's real
@@ -74,8 +100,14 @@ def tier_stores_for_bench(chunks: dict, tiers: tuple[str, ...] = ("memory", "dis
     total = sum(kv.nbytes for kv in chunks.values())
     stores = {}
     for name in tiers:
-        cfg = StoreConfig(tiers=(name,), memory_bytes=2 * total + (1 << 20), disk_bytes=2 * total + (1 << 20),
-                          disk_dir=disk_dir, redis_url=redis_url or StoreConfig.redis_url, async_writes=False)
+        cfg = StoreConfig(
+            tiers=(name,),
+            memory_bytes=2 * total + (1 << 20),
+            disk_bytes=2 * total + (1 << 20),
+            disk_dir=disk_dir,
+            redis_url=redis_url or StoreConfig.redis_url,
+            async_writes=False,
+        )
         if name == "disk" and disk_dir is None or name == "redis" and redis_url is None:
             raise ValueError(f"tier {name!r} needs {'disk_dir' if name == 'disk' else 'redis_url'}")
         store = create_store(cfg)
@@ -86,7 +118,9 @@ def tier_stores_for_bench(chunks: dict, tiers: tuple[str, ...] = ("memory", "dis
     return stores
 
 
-def _median_s(fn: Callable[[], None], repeats: int, before: Callable[[], None] | None = None) -> float:
+def _median_s(
+    fn: Callable[[], None], repeats: int, before: Callable[[], None] | None = None
+) -> float:
     times = []
     for _ in range(repeats):
         if before is not None:
@@ -135,32 +169,44 @@ def measure(chunks: dict, stores: dict, repeats: int, disk_dir: Path | None) -> 
 
     def memcpy_into() -> None:
         for kv, off in zip(chunks.values(), offsets):
-            k_pre[:, :, off: off + kv.seq_len].copy_(kv.k)
-            v_buf[:, :, off: off + kv.seq_len].copy_(kv.v)
+            k_pre[:, :, off : off + kv.seq_len].copy_(kv.k)
+            v_buf[:, :, off : off + kv.seq_len].copy_(kv.v)
 
     def get_all(store) -> Callable[[], None]:
         def fn() -> None:
             for key in keys:
                 assert store.get(key) is not None, f"bench store lost {key}"
+
         return fn
 
     def layerwise(store) -> Callable[[], None]:
         def fn() -> None:
             readers = [store.open(key) for key in keys]
             assert all(r is not None for r in readers), "bench store lost a key"
-            with LayerwiseLoader(list(zip(readers, offsets)), k_pre, v_buf, close_readers=True) as loader:
+            with LayerwiseLoader(
+                list(zip(readers, offsets)), k_pre, v_buf, close_readers=True
+            ) as loader:
                 loader.wait_all()
+
         return fn
 
     plans: list[tuple[str, str, Callable[[], None], Callable[[], None] | None]] = [
-        ("memcpy", "clone", memcpy_clone, None), ("memcpy", "copy_into_prompt", memcpy_into, None)]
+        ("memcpy", "clone", memcpy_clone, None),
+        ("memcpy", "copy_into_prompt", memcpy_into, None),
+    ]
     for name, store in stores.items():
         # The memory tier's get hands out the stored tensors themselves: its "bandwidth" is a dict lookup.
         get_name = "get_zero_copy" if name == "memory" else "get"
-        plans += [(name, get_name, get_all(store), None), (name, "layerwise", layerwise(store), None)]
+        plans += [
+            (name, get_name, get_all(store), None),
+            (name, "layerwise", layerwise(store), None),
+        ]
         if name == "disk" and disk_dir is not None:
             drop = lambda: _drop_page_cache(disk_dir)  # noqa: E731
-            plans += [("disk_cold", "get", get_all(store), drop), ("disk_cold", "layerwise", layerwise(store), drop)]
+            plans += [
+                ("disk_cold", "get", get_all(store), drop),
+                ("disk_cold", "layerwise", layerwise(store), drop),
+            ]
     rows = []
     for tier, method, fn, before in plans:
         fn()  # warm-up: allocator, connections, page cache (for the hot rows)
@@ -170,9 +216,16 @@ def measure(chunks: dict, stores: dict, repeats: int, disk_dir: Path | None) -> 
 
 
 def markdown(rows: list[dict], total_bytes: int) -> str:
-    lines = [f"KV of one example: {total_bytes / 1e6:.1f} MB", "",
-             "| tier | method | ms | GB/s |", "|---|---|---:|---:|"]
-    lines += [f"| {r['tier']} | {r['method']} | {r['seconds'] * 1e3:.2f} | {r['GB_per_s']:.2f} |" for r in rows]
+    lines = [
+        f"KV of one example: {total_bytes / 1e6:.1f} MB",
+        "",
+        "| tier | method | ms | GB/s |",
+        "|---|---|---:|---:|",
+    ]
+    lines += [
+        f"| {r['tier']} | {r['method']} | {r['seconds'] * 1e3:.2f} | {r['GB_per_s']:.2f} |"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 
@@ -184,7 +237,15 @@ def run(args: argparse.Namespace) -> int:
     tiers = tuple(t.strip() for t in args.tiers.split(",") if t.strip())
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    chunks = synth_chunks(args.chunks, args.min_len, args.max_len, args.layers, args.kv_heads, args.head_dim, args.seed)
+    chunks = synth_chunks(
+        args.chunks,
+        args.min_len,
+        args.max_len,
+        args.layers,
+        args.kv_heads,
+        args.head_dim,
+        args.seed,
+    )
     total = sum(kv.nbytes for kv in chunks.values())
     server = None
     tmp = None
@@ -210,11 +271,20 @@ def run(args: argparse.Namespace) -> int:
         if tmp is not None:
             tmp.cleanup()
     result = {
-        "example": {"chunks": args.chunks, "chunk_lens": [kv.seq_len for kv in chunks.values()], "bytes": total,
-                    "shape": [args.layers, args.kv_heads, "L", args.head_dim], "dtype": "bfloat16"},
-        "torch_threads": torch.get_num_threads(), "repeats": args.repeats, "cpu_count": os.cpu_count(),
-        "loadavg_1m": os.getloadavg()[0], "disk_note": "disk = hot page cache; disk_cold = pages dropped (fadvise)",
-        "rows": rows, "e2e": e2e_rows,
+        "example": {
+            "chunks": args.chunks,
+            "chunk_lens": [kv.seq_len for kv in chunks.values()],
+            "bytes": total,
+            "shape": [args.layers, args.kv_heads, "L", args.head_dim],
+            "dtype": "bfloat16",
+        },
+        "torch_threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "cpu_count": os.cpu_count(),
+        "loadavg_1m": os.getloadavg()[0],
+        "disk_note": "disk = hot page cache; disk_cold = pages dropped (fadvise)",
+        "rows": rows,
+        "e2e": e2e_rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -225,7 +295,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure_e2e(tiers: tuple[str, ...], disk_dir, redis_url, repeats: int, ratio: float = 0.15) -> list[dict]:
+def measure_e2e(
+    tiers: tuple[str, ...], disk_dir, redis_url, repeats: int, ratio: float = 0.15
+) -> list[dict]:
     """Blend TTFT on a real MuSiQue example with its chunk KV (real, from the embedded model) in each tier."""
     import shutil
 
@@ -239,8 +311,12 @@ def measure_e2e(tiers: tuple[str, ...], disk_dir, redis_url, repeats: int, ratio
     # Every timed run must blend (select + recompute), not reuse the previous run's blended KV.
     engine.config.blend.store_blended_prefix = False
     ex = load_musique(limit=1)[0]
-    segs = engine.segments(ex.passages, f"Question: {ex.question}", instruction=DEFAULT_INSTRUCTION + "\n\n")
-    request = GenerationRequest(segs, SamplingParams(max_tokens=1), mode="blend", recompute_ratio=ratio)
+    segs = engine.segments(
+        ex.passages, f"Question: {ex.question}", instruction=DEFAULT_INSTRUCTION + "\n\n"
+    )
+    request = GenerationRequest(
+        segs, SamplingParams(max_tokens=1), mode="blend", recompute_ratio=ratio
+    )
     engine.run(request)  # computes and stores every chunk and the prefix
     chunks = {key: engine.store.get(key) for key, _ in engine.store.entries()}
     if disk_dir is not None:  # a fresh directory for the real chunks
@@ -255,8 +331,14 @@ def measure_e2e(tiers: tuple[str, ...], disk_dir, redis_url, repeats: int, ratio
                 engine.config.pipeline_loads = pipelined
                 engine.run(request)  # warm-up (page cache, connections)
                 ttfts = [engine.run(request).stats.ttft_ms for _ in range(repeats)]
-                rows.append({"tier": name, "pipelined": pipelined, "prompt_tokens": segs.num_tokens,
-                             "ttft_ms": round(statistics.median(ttfts), 2)})
+                rows.append(
+                    {
+                        "tier": name,
+                        "pipelined": pipelined,
+                        "prompt_tokens": segs.num_tokens,
+                        "ttft_ms": round(statistics.median(ttfts), 2),
+                    }
+                )
     finally:
         for s in stores.values():
             s.close()
@@ -267,8 +349,15 @@ def measure_e2e(tiers: tuple[str, ...], disk_dir, redis_url, repeats: int, ratio
 
 
 def markdown_e2e(rows: list[dict]) -> str:
-    lines = ["", f"blend@0.15 TTFT, embedded model (bf16), {rows[0]['prompt_tokens']} prompt tokens, KV in each tier:",
-             "", "| tier | pipelined | median TTFT (ms) | vs memory (pipelined) |", "|---|---|---:|---:|"]
+    lines = [
+        "",
+        f"blend@0.15 TTFT, embedded model (bf16), {rows[0]['prompt_tokens']} prompt tokens, KV in each tier:",
+        "",
+        "| tier | pipelined | median TTFT (ms) | vs memory (pipelined) |",
+        "|---|---|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['tier']} | {'yes' if r['pipelined'] else 'no'} | {r['ttft_ms']:.1f} | {r['vs_memory_pipelined']:.2f}x |")
+        lines.append(
+            f"| {r['tier']} | {'yes' if r['pipelined'] else 'no'} | {r['ttft_ms']:.1f} | {r['vs_memory_pipelined']:.2f}x |"
+        )
     return "\n".join(lines)

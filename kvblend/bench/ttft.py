@@ -18,13 +18,33 @@ import random
 import secrets
 from dataclasses import asdict, dataclass
 
-from kvblend.bench.common import (add_common_arguments, make_progress, markdown_table, ms, positive_int,
-                                  exit_code_for_errors, publish, report_header)
-from kvblend.bench.data import DEFAULT_INSTRUCTION, build_prompt, load_examples, questions, take_passages, user_messages
+from kvblend.bench.common import (
+    add_common_arguments,
+    exit_code_for_errors,
+    make_progress,
+    markdown_table,
+    ms,
+    positive_int,
+    publish,
+    report_header,
+)
+from kvblend.bench.data import (
+    DEFAULT_INSTRUCTION,
+    build_prompt,
+    load_examples,
+    questions,
+    take_passages,
+    user_messages,
+)
 from kvblend.bench.metrics import summarize
 from kvblend.client.auth import Endpoint, add_endpoint_arguments, endpoints_from_args
-from kvblend.client.stream import (ChatRequest, StreamResult, merge_extra_body, parse_mode_spec,
-                                   policy_extra_body)
+from kvblend.client.stream import (
+    ChatRequest,
+    StreamResult,
+    merge_extra_body,
+    parse_mode_spec,
+    policy_extra_body,
+)
 
 SCENARIOS = ("prefix_hit", "shuffled", "full_recompute")
 
@@ -49,11 +69,14 @@ class TTFTConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         unknown = [s for s in self.scenarios if s not in SCENARIOS]
         if unknown:
-            raise ValueError(f"unknown scenario(s) {unknown}; expected some of {', '.join(SCENARIOS)}")
+            raise ValueError(
+                f"unknown scenario(s) {unknown}; expected some of {', '.join(SCENARIOS)}"
+            )
 
 
-def scenario_prompts(scenario: str, docs: list[str], qs: list[str], count: int, instruction: str,
-                     rng: random.Random) -> list[str]:
+def scenario_prompts(
+    scenario: str, docs: list[str], qs: list[str], count: int, instruction: str, rng: random.Random
+) -> list[str]:
     """``count`` prompts for one scenario; round i asks question i in every scenario, so only the
     document part differs between scenarios."""
     prompts: list[str] = []
@@ -85,8 +108,11 @@ def scenario_prompts(scenario: str, docs: list[str], qs: list[str], count: int, 
 def summarize_results(results: list[StreamResult]) -> dict:
     ok = [r for r in results if r.ok]
     reported = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
-    cached_share = (sum(r.cached_tokens for r in reported) / sum(r.prompt_tokens for r in reported)
-                    if reported else None)
+    cached_share = (
+        sum(r.cached_tokens for r in reported) / sum(r.prompt_tokens for r in reported)
+        if reported
+        else None
+    )
     prompt_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     return {
         "requests": len(results),
@@ -100,12 +126,21 @@ def summarize_results(results: list[StreamResult]) -> dict:
 
 
 def _record(r: StreamResult) -> dict:
-    return {"ttft_ms": ms(r.ttft_s), "total_ms": ms(r.total_s), "prompt_tokens": r.prompt_tokens,
-            "cached_tokens": r.cached_tokens, "completion_tokens": r.completion_tokens, "error": r.error,
-            "text": r.text, "usage_extra": r.extra or None}
+    return {
+        "ttft_ms": ms(r.ttft_s),
+        "total_ms": ms(r.total_s),
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "completion_tokens": r.completion_tokens,
+        "error": r.error,
+        "text": r.text,
+        "usage_extra": r.extra or None,
+    }
 
 
-async def run_batch(client, model: str, prompts: list[str], cfg: TTFTConfig, on_done=None) -> list[StreamResult]:
+async def run_batch(
+    client, model: str, prompts: list[str], cfg: TTFTConfig, on_done=None
+) -> list[StreamResult]:
     """Send prompts with at most ``cfg.concurrency`` in flight; results in prompt order."""
     import asyncio
 
@@ -115,8 +150,11 @@ async def run_batch(client, model: str, prompts: list[str], cfg: TTFTConfig, on_
 
     async def one(prompt: str) -> StreamResult:
         async with gate:
-            result = await stream_chat(client, model, ChatRequest(user_messages(prompt), cfg.max_tokens,
-                                                                  extra_body=cfg.extra_body))
+            result = await stream_chat(
+                client,
+                model,
+                ChatRequest(user_messages(prompt), cfg.max_tokens, extra_body=cfg.extra_body),
+            )
         if on_done:
             on_done()
         return result
@@ -124,7 +162,9 @@ async def run_batch(client, model: str, prompts: list[str], cfg: TTFTConfig, on_
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-async def bench_endpoint(endpoint: Endpoint, docs: list[str], qs: list[str], cfg: TTFTConfig, progress) -> dict:
+async def bench_endpoint(
+    endpoint: Endpoint, docs: list[str], qs: list[str], cfg: TTFTConfig, progress
+) -> dict:
     from kvblend.client.stream import make_async_client, resolve_model_id
 
     client = make_async_client(endpoint)
@@ -133,14 +173,19 @@ async def bench_endpoint(endpoint: Endpoint, docs: list[str], qs: list[str], cfg
         rng = random.Random(cfg.seed)
         out: dict = {"endpoint": endpoint.public_dict(), "model": model, "scenarios": {}}
         for scenario in cfg.scenarios:
-            prompts = scenario_prompts(scenario, docs, qs, cfg.warmup + cfg.rounds, cfg.instruction, rng)
+            prompts = scenario_prompts(
+                scenario, docs, qs, cfg.warmup + cfg.rounds, cfg.instruction, rng
+            )
             task = progress.add_task(f"{endpoint.name} {scenario}", total=len(prompts))
             advance = lambda: progress.advance(task)  # noqa: E731
             # Warm-up runs alone and first: it fills the caches the measured rounds are meant to hit.
             for p in prompts[: cfg.warmup]:
                 await run_batch(client, model, [p], cfg, advance)
-            measured = await run_batch(client, model, prompts[cfg.warmup:], cfg, advance)
-            out["scenarios"][scenario] = {**summarize_results(measured), "results": [_record(r) for r in measured]}
+            measured = await run_batch(client, model, prompts[cfg.warmup :], cfg, advance)
+            out["scenarios"][scenario] = {
+                **summarize_results(measured),
+                "results": [_record(r) for r in measured],
+            }
         return out
     finally:
         await client.close()
@@ -163,31 +208,73 @@ def table(report: dict) -> str:
         for name, s in ep["scenarios"].items():
             t = s["ttft_ms"]
             share = None if s["cached_share"] is None else f"{100 * s['cached_share']:.0f}%"
-            rows.append([ep["endpoint"]["name"], name, s["requests"] - s["errors"], s["errors"],
-                         t["mean"], t["p50"], t["p95"], share, s["prompt_tokens_mean"]])
-    return markdown_table(["endpoint", "scenario", "ok", "errors", "TTFT mean ms", "p50 ms", "p95 ms",
-                           "cached share", "prompt tokens"], rows)
+            rows.append(
+                [
+                    ep["endpoint"]["name"],
+                    name,
+                    s["requests"] - s["errors"],
+                    s["errors"],
+                    t["mean"],
+                    t["p50"],
+                    t["p95"],
+                    share,
+                    s["prompt_tokens_mean"],
+                ]
+            )
+    return markdown_table(
+        [
+            "endpoint",
+            "scenario",
+            "ok",
+            "errors",
+            "TTFT mean ms",
+            "p50 ms",
+            "p95 ms",
+            "cached share",
+            "prompt tokens",
+        ],
+        rows,
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_endpoint_arguments(parser, multiple=True)
     add_common_arguments(parser)
     parser.set_defaults(max_tokens=8)
-    parser.add_argument("--rounds", type=positive_int, default=5, help="measured requests per scenario")
+    parser.add_argument(
+        "--rounds", type=positive_int, default=5, help="measured requests per scenario"
+    )
     parser.add_argument("--docs", type=positive_int, default=4, help="documents per prompt")
-    parser.add_argument("--concurrency", type=positive_int, default=1, help="requests in flight at once")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured requests per scenario, sent first")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list of " + ", ".join(SCENARIOS))
-    parser.add_argument("--mode", default=None, metavar="SPEC",
-                        help="kvblend per-request prefill override, e.g. blend@0.15 (sent via extra_body)")
+    parser.add_argument(
+        "--concurrency", type=positive_int, default=1, help="requests in flight at once"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="unmeasured requests per scenario, sent first"
+    )
+    parser.add_argument(
+        "--scenarios", default=",".join(SCENARIOS), help="comma list of " + ", ".join(SCENARIOS)
+    )
+    parser.add_argument(
+        "--mode",
+        default=None,
+        metavar="SPEC",
+        help="kvblend per-request prefill override, e.g. blend@0.15 (sent via extra_body)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     endpoints = endpoints_from_args(args)
     override = policy_extra_body(parse_mode_spec(args.mode)) if args.mode else None
-    cfg = TTFTConfig(rounds=args.rounds, n_docs=args.docs, concurrency=args.concurrency, warmup=args.warmup,
-                     max_tokens=args.max_tokens, seed=args.seed, extra_body=merge_extra_body(args.extra_body, override),
-                     scenarios=tuple(s.strip() for s in args.scenarios.split(",") if s.strip()))
+    cfg = TTFTConfig(
+        rounds=args.rounds,
+        n_docs=args.docs,
+        concurrency=args.concurrency,
+        warmup=args.warmup,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        extra_body=merge_extra_body(args.extra_body, override),
+        scenarios=tuple(s.strip() for s in args.scenarios.split(",") if s.strip()),
+    )
     examples = load_examples(args.data)
     docs = take_passages(examples, cfg.n_docs, str(args.data), "--docs")
     report = run_ttft(endpoints, docs, questions(examples, args.seed), cfg)

@@ -25,8 +25,13 @@ import torch
 
 from kvblend.blend.buffers import BufferPool, typed_view
 from kvblend.blend.rope import apply_rope, halves_repeat
-from kvblend.blend.selection import (attention_deviation, causal_mask, query_attention, select_top_tokens,
-                                    token_deviation)
+from kvblend.blend.selection import (
+    attention_deviation,
+    causal_mask,
+    query_attention,
+    select_top_tokens,
+    token_deviation,
+)
 from kvblend.models.transformer import TransformerOps
 
 
@@ -45,14 +50,26 @@ class KVCache:
     _pool: BufferPool | None = None
 
     @classmethod
-    def allocate(cls, ops: TransformerOps, capacity: int, pool: BufferPool | None = None) -> "KVCache":
+    def allocate(
+        cls, ops: TransformerOps, capacity: int, pool: BufferPool | None = None
+    ) -> "KVCache":
         shape = (ops.num_layers, ops.num_kv_heads, capacity, ops.head_dim)
         if pool is None:
-            return cls(torch.empty(shape, dtype=ops.dtype, device=ops.device),
-                       torch.empty(shape, dtype=ops.dtype, device=ops.device))
-        stack = math.prod(shape) * torch.empty(0, dtype=ops.dtype).element_size()  # bytes of K (and of V)
+            return cls(
+                torch.empty(shape, dtype=ops.dtype, device=ops.device),
+                torch.empty(shape, dtype=ops.dtype, device=ops.device),
+            )
+        stack = (
+            math.prod(shape) * torch.empty(0, dtype=ops.dtype).element_size()
+        )  # bytes of K (and of V)
         buf = pool.take(2 * stack, ops.device)
-        return cls(typed_view(buf, shape, ops.dtype), typed_view(buf[stack:], shape, ops.dtype), 0, buf, pool)
+        return cls(
+            typed_view(buf, shape, ops.dtype),
+            typed_view(buf[stack:], shape, ops.dtype),
+            0,
+            buf,
+            pool,
+        )
 
     @property
     def capacity(self) -> int:
@@ -110,7 +127,9 @@ class PrefillPlan:
 
 @dataclass
 class PrefillOutput:
-    last_logits: torch.Tensor | None  # [vocab] float32; None after a pass stopped early (plan.num_layers)
+    last_logits: (
+        torch.Tensor | None
+    )  # [vocab] float32; None after a pass stopped early (plan.num_layers)
     fresh_k: torch.Tensor  # [L, Hkv, T, d] pre-RoPE keys: fresh where computed, stored elsewhere
     fresh_v: torch.Tensor
     recomputed_rows: torch.Tensor  # stored rows still active after the last check layer
@@ -134,7 +153,9 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
     has_stored = bool(plan.stored_mask.any())
     checks = dict(zip(plan.check_layers, plan.check_keep))
     last_layer = ops.num_layers - 1
-    token_ids = plan.token_ids.to(ops.device)  # indexed by active rows, which live on the model's device
+    token_ids = plan.token_ids.to(
+        ops.device
+    )  # indexed by active rows, which live on the model's device
     h = _pad_rows(ops.embed(token_ids[active]))  # [A + pad, D]; rows past A are zeros, never read
     recomputed = active[plan.is_stored(active)].cpu()  # narrowed at check layers
     recorder = QueryAttentionRecorder(ops, T) if plan.record_query_attention else None
@@ -145,8 +166,12 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
             plan.wait_layer(layer)
         # An "attn" check narrows the rows after this layer's attention; a KV check before it.
         attention_check = layer in checks and plan.deviation == "attn" and plan.selection != "query"
-        if layer in checks and not attention_check:  # shrink to the selected rows from this layer's attention on
-            q, keep, h = _check_layer_qkv(ops, plan, layer, h, active, k_pre[layer], v_all[layer], checks[layer])
+        if (
+            layer in checks and not attention_check
+        ):  # shrink to the selected rows from this layer's attention on
+            q, keep, h = _check_layer_qkv(
+                ops, plan, layer, h, active, k_pre[layer], v_all[layer], checks[layer]
+            )
             active = active[keep]
             recomputed = active[plan.is_stored(active)].cpu()
         elif layer == 0 and has_stored:
@@ -156,36 +181,68 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
         if layer == last_layer and active.numel() > 1:
             # Every row's K/V of this layer is written; only the last row's output (the logits) is read.
             last = active.numel() - 1
-            q, h, active = q[:, last:], h[last:last + 1], active[last:]
+            q, h, active = q[:, last:], h[last : last + 1], active[last:]
         if attention_check:  # o_proj and the MLP run for the kept rows only
-            keep, attn = _attention_check(ops, plan, layer, attention, q, active, k_pre[layer], v_all[layer],
-                                          cache.k[layer, :, :T], checks[layer])
+            keep, attn = _attention_check(
+                ops,
+                plan,
+                layer,
+                attention,
+                q,
+                active,
+                k_pre[layer],
+                v_all[layer],
+                cache.k[layer, :, :T],
+                checks[layer],
+            )
             active, h = active[keep], _pad_rows(h[keep])
             recomputed = active[plan.is_stored(active)].cpu()
         else:
             # [A, Hq * d]; the native kernel returns it with h's zero pad rows, ready for o_proj. A kernel
             # that sums key mass records the query's attention in the same call.
-            key_mass = recorder.total if recorder is not None and attention.records_key_mass else None
-            attn = attention(layer, q, k_pre[layer], v_all[layer], cache.k[layer, :, :T], active, h.shape[0],
-                             key_mass=key_mass)
-            if recorder is not None and key_mass is None:  # the call has just rotated the keys into the cache
+            key_mass = (
+                recorder.total if recorder is not None and attention.records_key_mass else None
+            )
+            attn = attention(
+                layer,
+                q,
+                k_pre[layer],
+                v_all[layer],
+                cache.k[layer, :, :T],
+                active,
+                h.shape[0],
+                key_mass=key_mass,
+            )
+            if (
+                recorder is not None and key_mass is None
+            ):  # the call has just rotated the keys into the cache
                 recorder.add(q, cache.k[layer, :, :T], active)
         h = ops.finish_layer(layer, h, _pad_rows(attn, h.shape[0]))
     cache.length = T
-    last_logits = ops.logits(h[active.numel() - 1:active.numel()])[0] if num_layers == ops.num_layers else None
-    return PrefillOutput(last_logits, k_pre, v_all, recomputed, recorder.total if recorder else None)
+    last_logits = (
+        ops.logits(h[active.numel() - 1 : active.numel()])[0]
+        if num_layers == ops.num_layers
+        else None
+    )
+    return PrefillOutput(
+        last_logits, k_pre, v_all, recomputed, recorder.total if recorder else None
+    )
 
 
 def _layers_to_run(ops: TransformerOps, plan: PrefillPlan) -> int:
     if plan.record_query_attention and plan.check_layers:
-        raise ValueError("record_query_attention is for plans without check layers (lookahead's reuse pass)")
+        raise ValueError(
+            "record_query_attention is for plans without check layers (lookahead's reuse pass)"
+        )
     if plan.num_layers is None or plan.num_layers == ops.num_layers:
         return ops.num_layers
     if not 1 <= plan.num_layers < ops.num_layers:
         raise ValueError(f"num_layers must be in [1, {ops.num_layers}], got {plan.num_layers}")
     if not plan.record_query_attention or plan.check_layers:
-        raise ValueError("a pass stopped before the last layer only records the query's attention "
-                         "(record_query_attention, no check layers)")
+        raise ValueError(
+            "a pass stopped before the last layer only records the query's attention "
+            "(record_query_attention, no check layers)"
+        )
     return plan.num_layers
 
 
@@ -204,7 +261,9 @@ class QueryAttentionRecorder:
     def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, d] each; made at first use (not needed where the kernel records)."""
         if self._cos_sin is None:
-            self._cos_sin = self.ops.rope_cos_sin(torch.arange(self.num_tokens, device=self.ops.device))
+            self._cos_sin = self.ops.rope_cos_sin(
+                torch.arange(self.num_tokens, device=self.ops.device)
+            )
         return self._cos_sin
 
     def add(self, q: torch.Tensor, keys: torch.Tensor, active: torch.Tensor) -> None:
@@ -238,13 +297,19 @@ class KernelAttention:
     """One native call per layer: rotates every key into the cache, then attends the active rows with an
     exact causal mask by position (kvblend/kernels/rows_attention.c)."""
 
-    head_subsets = True  # q may carry any number of query heads per KV head (the kernel's GQA factor)
+    head_subsets = (
+        True  # q may carry any number of query heads per KV head (the kernel's GQA factor)
+    )
 
-    def __init__(self, ops: TransformerOps, rope_half: tuple[torch.Tensor, torch.Tensor], num_tokens: int):
+    def __init__(
+        self, ops: TransformerOps, rope_half: tuple[torch.Tensor, torch.Tensor], num_tokens: int
+    ):
         self.ops, self.rope_half = ops, rope_half
         kernel = ops.rows_attention
         # packed K/V, reused by every layer so its pages are faulted in once per prefill
-        self.scratch = torch.empty(kernel.scratch_bytes(num_tokens, ops.num_kv_heads), dtype=torch.uint8)
+        self.scratch = torch.empty(
+            kernel.scratch_bytes(num_tokens, ops.num_kv_heads), dtype=torch.uint8
+        )
         self.num_threads = torch.get_num_threads()
 
     @property
@@ -252,18 +317,40 @@ class KernelAttention:
         """The bf16 builds also sum the attention each key receives (lookahead's reuse pass records it)."""
         return self.ops.rows_attention.has_key_mass
 
-    def __call__(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 active: torch.Tensor, num_out_rows: int = 0, key_mass: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k_pre: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        active: torch.Tensor,
+        num_out_rows: int = 0,
+        key_mass: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q [H, A, d] pre-RoPE of rows ``active`` (H: the model's query heads, or any subset with the same
         count per KV head); k_pre, v, k_cache [Hkv, T, d]. Returns [A, H * d], or with ``num_out_rows`` > A
         that many rows, the ones past A zero (the hidden rows' padding). key_mass (``records_key_mass``):
         fp32 [T], += the attention probability each key receives, summed over the rows and heads."""
         ops = self.ops
         num_rows = q.shape[1]
-        out = torch.empty(max(num_rows, num_out_rows), q.shape[0] * ops.head_dim, dtype=q.dtype, device=q.device)
+        out = torch.empty(
+            max(num_rows, num_out_rows), q.shape[0] * ops.head_dim, dtype=q.dtype, device=q.device
+        )
         out[num_rows:].zero_()
-        ops.rows_attention(q.transpose(0, 1), k_pre, v, k_cache, self.rope_half, active, ops.scaling,
-                           out[:num_rows], self.scratch, self.num_threads, key_mass=key_mass)
+        ops.rows_attention(
+            q.transpose(0, 1),
+            k_pre,
+            v,
+            k_cache,
+            self.rope_half,
+            active,
+            ops.scaling,
+            out[:num_rows],
+            self.scratch,
+            self.num_threads,
+            key_mass=key_mass,
+        )
         return out
 
 
@@ -283,12 +370,23 @@ class TorchAttention:
         self._blocks_for: torch.Tensor | None = None  # the active rows the cached blocks describe
         self._blocks: list[RowBlock] = []
 
-    def __call__(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 active: torch.Tensor, num_out_rows: int = 0, key_mass: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k_pre: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        active: torch.Tensor,
+        num_out_rows: int = 0,
+        key_mass: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """As ``KernelAttention``, but returns [A, Hq * d] whatever ``num_out_rows`` (callers pad), and
         records no key mass (``records_key_mass`` is False: a caller passing it would lose the ranking)."""
         if key_mass is not None:
-            raise ValueError("TorchAttention does not record key mass; QueryAttentionRecorder.add does")
+            raise ValueError(
+                "TorchAttention does not record key mass; QueryAttentionRecorder.add does"
+            )
         ops, cos, sin = self.ops, self.cos, self.sin
         # Keys of every row at their absolute positions; stored rows are re-positioned here.
         apply_rope(k_pre, cos, sin, out=k_cache, halved=self.halved)
@@ -339,7 +437,9 @@ class RowBlock:
         key = (repeat, dtype)
         if key not in self._masks:
             tail = self.tail_mask
-            m = torch.zeros(tail.shape, dtype=dtype, device=tail.device).masked_fill_(~tail, float("-inf"))
+            m = torch.zeros(tail.shape, dtype=dtype, device=tail.device).masked_fill_(
+                ~tail, float("-inf")
+            )
             self._masks[key] = m.repeat_interleave(repeat, dim=0)
         return self._masks[key]
 
@@ -359,22 +459,39 @@ def row_blocks(active: torch.Tensor, max_blocks: int = 4, min_rows: int = 64) ->
         if hi <= lo:
             continue
         split, num_keys = int(active[lo]), int(active[hi - 1]) + 1
-        blocks.append(RowBlock(slice(lo, hi), split, num_keys, active[lo:hi], contiguous=num_keys - split == hi - lo))
+        blocks.append(
+            RowBlock(
+                slice(lo, hi),
+                split,
+                num_keys,
+                active[lo:hi],
+                contiguous=num_keys - split == hi - lo,
+            )
+        )
     return blocks
 
 
-def grouped_queries(ops: TransformerOps, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    halved: bool | None = None) -> torch.Tensor:
+def grouped_queries(
+    ops: TransformerOps,
+    q: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    halved: bool | None = None,
+) -> torch.Tensor:
     """Pre-RoPE q [Hq, A, d] -> post-RoPE [Hkv, A * rep, d] with each row's ``rep`` query heads of a KV
     head adjacent (the layout ``attend_rows`` slices by row). cos/sin: [A, d] of the rows' positions.
     Rotating in row-major order and then permuting is faster than rotating into the permuted layout."""
     num_rows = q.shape[1]
     rows = apply_rope(q.transpose(0, 1), cos[:, None], sin[:, None], halved=halved)  # [A, Hq, d]
-    grouped = rows.view(num_rows, ops.num_kv_heads, ops.group_size, ops.head_dim).permute(1, 0, 2, 3)
+    grouped = rows.view(num_rows, ops.num_kv_heads, ops.group_size, ops.head_dim).permute(
+        1, 0, 2, 3
+    )
     return grouped.reshape(ops.num_kv_heads, num_rows * ops.group_size, ops.head_dim)
 
 
-def _working_buffers(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+def _working_buffers(
+    ops: TransformerOps, plan: PrefillPlan, cache: KVCache
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-RoPE K [L, Hkv, T, d] (stored rows in place, fresh rows written per layer) and V, which is
     the cache's own V rows: values need no rotation, so they are loaded and written there directly."""
     T = plan.num_tokens
@@ -389,40 +506,59 @@ def _working_buffers(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> 
     return torch.empty(shape, dtype=ops.dtype, device=ops.device), v_all
 
 
-def _project_rows(ops: TransformerOps, layer: int, h: torch.Tensor, active: torch.Tensor, k_layer: torch.Tensor,
-                  v_layer: torch.Tensor) -> torch.Tensor:
+def _project_rows(
+    ops: TransformerOps,
+    layer: int,
+    h: torch.Tensor,
+    active: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+) -> torch.Tensor:
     """Q/K/V of every active row: writes their pre-RoPE K and V into k_layer / v_layer [Hkv, T, d] and
     returns q [Hq, A, d] (pre-RoPE)."""
-    q, k, v = (t[:, :active.numel()] for t in ops.qkv(layer, h))
+    q, k, v = (t[:, : active.numel()] for t in ops.qkv(layer, h))
     ops.write_rows(k_layer, k, active)
     ops.write_rows(v_layer, v, active)
     return q
 
 
-def _first_layer_qkv(ops: TransformerOps, plan: PrefillPlan, h: torch.Tensor, active: torch.Tensor,
-                     k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
+def _first_layer_qkv(
+    ops: TransformerOps,
+    plan: PrefillPlan,
+    h: torch.Tensor,
+    active: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+) -> torch.Tensor:
     """Layer 0 of a plan with stored rows: returns q [Hq, A, d] of every active row, and writes fresh
     K/V [Hkv, T, d] for the unstored active rows only. Layer-0 K/V depends on the token alone (no
     attention precedes it), so a stored row's K/V there already is what a fresh projection gives."""
-    num_rows, T = active.numel(), k_layer.shape[1]
+    num_rows = active.numel()
     fresh = (~plan.is_stored(active)).nonzero().flatten()  # local indices
     if fresh.numel() == num_rows:  # reuse / prefix: no stored row is computed, one matmul for all
         return _project_rows(ops, 0, h, active, k_layer, v_layer)
     (q,) = ops.qkv(0, h, "q")
     if fresh.numel():
-        k, v = (t[:, :fresh.numel()] for t in ops.qkv(0, _pad_rows(h[fresh]), "kv"))
+        k, v = (t[:, : fresh.numel()] for t in ops.qkv(0, _pad_rows(h[fresh]), "kv"))
         ops.write_rows(k_layer, k, active[fresh])
         ops.write_rows(v_layer, v, active[fresh])
     return q[:, :num_rows]
 
 
-def _check_layer_qkv(ops: TransformerOps, plan: PrefillPlan, layer: int, h: torch.Tensor, active: torch.Tensor,
-                     k_layer: torch.Tensor, v_layer: torch.Tensor, num_keep: int):
+def _check_layer_qkv(
+    ops: TransformerOps,
+    plan: PrefillPlan,
+    layer: int,
+    h: torch.Tensor,
+    active: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+    num_keep: int,
+):
     """A check layer: writes fresh K/V of the active rows and returns (q [Hq, K, d] of the rows kept from
     here on, their local indices into ``active`` [K], their hidden rows [K + pad, D]). With the value
     deviation (the default) only V is projected for every row, Q and K only for the kept ones (~15%):
     dropped rows keep their stored K at this layer, as at every later one."""
-    T = k_layer.shape[1]
     num_rows = active.numel()
     is_stored = plan.is_stored(active)  # [A] bool
     if plan.selection == "query" and not bool(is_stored.all()):
@@ -433,7 +569,7 @@ def _check_layer_qkv(ops: TransformerOps, plan: PrefillPlan, layer: int, h: torc
         keep = _check_rows(plan, active, is_stored, None, v, k_layer, v_layer, num_keep)
         ops.write_rows(v_layer, v, active)
         h = _pad_rows(h[keep])
-        q, k = (t[:, :keep.numel()] for t in ops.qkv(layer, h, "qk"))
+        q, k = (t[:, : keep.numel()] for t in ops.qkv(layer, h, "qk"))
         ops.write_rows(k_layer, k, active[keep])
         return q, keep, h
     q, k, v = (t[:, :num_rows] for t in ops.qkv(layer, h))
@@ -444,8 +580,16 @@ def _check_layer_qkv(ops: TransformerOps, plan: PrefillPlan, layer: int, h: torc
     return q.transpose(0, 1)[keep].transpose(0, 1), keep, _pad_rows(h[keep])
 
 
-def _query_check_qkv(ops: TransformerOps, layer: int, h: torch.Tensor, active: torch.Tensor,
-                     is_stored: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, num_keep: int):
+def _query_check_qkv(
+    ops: TransformerOps,
+    layer: int,
+    h: torch.Tensor,
+    active: torch.Tensor,
+    is_stored: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+    num_keep: int,
+):
     """``_check_layer_qkv`` with query-aware selection: fresh K/V of every active row are written, then
     the query rows (the unstored active rows) attend over every key of this layer; the ``num_keep``
     stored rows they attend to most stay computed. Q is projected for the query rows, then for the
@@ -458,18 +602,27 @@ def _query_check_qkv(ops: TransformerOps, layer: int, h: torch.Tensor, active: t
     (q_query,) = ops.qkv(layer, _pad_rows(h[query]), "q")
     recorder = QueryAttentionRecorder(ops, T)
     keys = apply_rope(k_layer, *recorder.cos_sin)  # [Hkv, T, d]: every row at its absolute position
-    recorder.add(q_query[:, :query.numel()], keys, active[query])
+    recorder.add(q_query[:, : query.numel()], keys, active[query])
     received = recorder.total  # [T]
     cand = is_stored.nonzero().flatten()
     keep = _kept_rows(is_stored, cand, received[active[cand]], num_keep)
     h = _pad_rows(h[keep])
     (q,) = ops.qkv(layer, h, "q")
-    return q[:, :keep.numel()], keep, h
+    return q[:, : keep.numel()], keep, h
 
 
-def _attention_check(ops: TransformerOps, plan: PrefillPlan, layer: int, attention, q: torch.Tensor,
-                     active: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, k_cache: torch.Tensor,
-                     num_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_check(
+    ops: TransformerOps,
+    plan: PrefillPlan,
+    layer: int,
+    attention,
+    q: torch.Tensor,
+    active: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+    k_cache: torch.Tensor,
+    num_keep: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """An "attn" check layer: (local indices of the rows kept [K], their attention [K + pad, Hq * d]).
 
     The rows are ranked by one query head of each KV group (``attention.head_subsets``: the native kernel
@@ -478,19 +631,31 @@ def _attention_check(ops: TransformerOps, plan: PrefillPlan, layer: int, attenti
     rows then attend with every head. q [Hq, A, d] pre-RoPE."""
     check_q = q
     if attention.head_subsets:  # [Hkv, A, d], each row's heads dense, as the kernel reads
-        check_q = q[::ops.group_size].transpose(0, 1).contiguous().transpose(0, 1)
+        check_q = q[:: ops.group_size].transpose(0, 1).contiguous().transpose(0, 1)
     check_attn = attention(layer, check_q, k_layer, v_layer, k_cache, active)  # [A, Hc * d]
-    keep = _attention_check_rows(ops, plan, layer, check_q, check_attn, active, k_layer, v_layer, num_keep)
+    keep = _attention_check_rows(
+        ops, plan, layer, check_q, check_attn, active, k_layer, v_layer, num_keep
+    )
     if check_q is q:
         return keep, check_attn[keep]
     kept_q = q.transpose(0, 1)[keep].transpose(0, 1)  # gathered in q_proj's own [A, Hq, d] layout
-    num_out_rows = -(-keep.numel() // ROW_ALIGN) * ROW_ALIGN  # as _pad_rows pads the kept hidden rows
+    num_out_rows = (
+        -(-keep.numel() // ROW_ALIGN) * ROW_ALIGN
+    )  # as _pad_rows pads the kept hidden rows
     return keep, attention(layer, kept_q, k_layer, v_layer, k_cache, active[keep], num_out_rows)
 
 
-def _attention_check_rows(ops: TransformerOps, plan: PrefillPlan, layer: int, q: torch.Tensor, attn: torch.Tensor,
-                          active: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
-                          num_keep: int) -> torch.Tensor:
+def _attention_check_rows(
+    ops: TransformerOps,
+    plan: PrefillPlan,
+    layer: int,
+    q: torch.Tensor,
+    attn: torch.Tensor,
+    active: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+    num_keep: int,
+) -> torch.Tensor:
     """Local indices (into ``active``) that stay computed after an "attn" check layer: unstored rows, and
     the ``num_keep`` stored rows whose attention output ``attn`` [A, Hq * d] (over every key) differs most
     from their attention over their own chunk and the prefix. q [Hq, A, d] pre-RoPE; k_layer, v_layer
@@ -504,8 +669,15 @@ def _attention_check_rows(ops: TransformerOps, plan: PrefillPlan, layer: int, q:
     return _kept_rows(is_stored, cand, attention_deviation(attn[cand], local), num_keep)
 
 
-def _local_attention(ops: TransformerOps, plan: PrefillPlan, layer: int, q: torch.Tensor, rows: torch.Tensor,
-                     k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
+def _local_attention(
+    ops: TransformerOps,
+    plan: PrefillPlan,
+    layer: int,
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+) -> torch.Tensor:
     """Attention of stored chunk ``rows`` [C] (ascending; q [H, C, d] pre-RoPE, every query head or the
     check's subset) over the prompt's prefix and their own chunk only -> [C, H * d]. Each chunk goes right after the prefix, as it was cached, so
     its keys keep their distances to each other (RoPE sees nothing else). About a tenth of the full
@@ -521,17 +693,28 @@ def _local_attention(ops: TransformerOps, plan: PrefillPlan, layer: int, q: torc
         keys = torch.cat([k_layer[:, :prefix], k_layer[:, start:end]], dim=1)  # [Hkv, P + L, d]
         values = torch.cat([v_layer[:, :prefix], v_layer[:, start:end]], dim=1)
         attention = create_attention(ops, keys.shape[1])
-        out[lo:hi] = attention(layer, q[:, lo:hi], keys, values, torch.empty_like(keys), rows[lo:hi] - start + prefix)
+        out[lo:hi] = attention(
+            layer, q[:, lo:hi], keys, values, torch.empty_like(keys), rows[lo:hi] - start + prefix
+        )
         covered += hi - lo
     if covered != rows.numel():
-        raise ValueError(f"deviation 'attn' needs every candidate row in the plan's chunk_spans "
-                         f"({rows.numel() - covered} of {rows.numel()} are not)")
+        raise ValueError(
+            f"deviation 'attn' needs every candidate row in the plan's chunk_spans "
+            f"({rows.numel() - covered} of {rows.numel()} are not)"
+        )
     return out
 
 
-def _check_rows(plan: PrefillPlan, active: torch.Tensor, is_stored: torch.Tensor, k: torch.Tensor | None,
-                v: torch.Tensor, stored_k_layer: torch.Tensor, stored_v_layer: torch.Tensor,
-                num_keep: int) -> torch.Tensor:
+def _check_rows(
+    plan: PrefillPlan,
+    active: torch.Tensor,
+    is_stored: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor,
+    stored_k_layer: torch.Tensor,
+    stored_v_layer: torch.Tensor,
+    num_keep: int,
+) -> torch.Tensor:
     """Local indices (into ``active``) that stay computed after this check layer.
 
     Unstored active rows (query, fresh segments) always stay; among stored active rows the ``num_keep``
@@ -542,11 +725,15 @@ def _check_rows(plan: PrefillPlan, active: torch.Tensor, is_stored: torch.Tensor
     if k is None:  # the value deviation: keys are not compared
         dev = token_deviation(None, v[:, cand], None, stored_v_layer[:, rows], plan.deviation)
     else:
-        dev = token_deviation(k[:, cand], v[:, cand], stored_k_layer[:, rows], stored_v_layer[:, rows], plan.deviation)
+        dev = token_deviation(
+            k[:, cand], v[:, cand], stored_k_layer[:, rows], stored_v_layer[:, rows], plan.deviation
+        )
     return _kept_rows(is_stored, cand, dev, num_keep)
 
 
-def _kept_rows(is_stored: torch.Tensor, cand: torch.Tensor, scores: torch.Tensor, num_keep: int) -> torch.Tensor:
+def _kept_rows(
+    is_stored: torch.Tensor, cand: torch.Tensor, scores: torch.Tensor, num_keep: int
+) -> torch.Tensor:
     """The rule every check shares: local indices (sorted) of the rows that stay computed, i.e. every
     unstored row and the ``num_keep`` candidates with the largest ``scores``. is_stored [A] bool;
     cand [C] its True indices; scores [C]."""

@@ -49,7 +49,9 @@ class BufferPool:
             fits = [b for b in self._free if b.device == device and b.numel() >= num_bytes]
             if fits:
                 best = min(fits, key=lambda b: b.numel())
-                self._free = [b for b in self._free if b is not best]  # by identity: == compares values
+                self._free = [
+                    b for b in self._free if b is not best
+                ]  # by identity: == compares values
                 self.reused += 1
                 return best
         size = -(-max(num_bytes, 1) // SIZE_STEP) * SIZE_STEP

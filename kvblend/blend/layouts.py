@@ -108,8 +108,8 @@ def _numbered(text: str, start: int, end: int) -> Layout | None:
     if len(spans) < 2:
         return None
     docs = [region[a:b] for a, b in spans]
-    glue = [region[spans[i][1]:spans[i + 1][0]] for i in range(len(spans) - 1)]
-    return Layout(text[:start + spans[0][0]], docs, text[start + spans[-1][1]:], glue)
+    glue = [region[spans[i][1] : spans[i + 1][0]] for i in range(len(spans) - 1)]
+    return Layout(text[: start + spans[0][0]], docs, text[start + spans[-1][1] :], glue)
 
 
 def _is_metadata(piece: str) -> bool:

@@ -17,11 +17,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def halves_repeat(cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """True when cos/sin [..., d] repeat their first half (HF rotary: emb = cat(freqs, freqs))."""
     half = cos.shape[-1] // 2
-    return torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half], sin[..., half:])
+    return torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(
+        sin[..., :half], sin[..., half:]
+    )
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None,
-               halved: bool | None = None) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out: torch.Tensor | None = None,
+    halved: bool | None = None,
+) -> torch.Tensor:
     """x [..., N, d] rotated by cos/sin [N, d] (broadcast over the leading head/layer dims).
 
     ``out`` (same shape as x, may be a strided view such as a cache's rows) receives the result, so
@@ -31,8 +38,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
     that property, known by the caller (None: checked here, which costs a comparison per call)."""
     half = x.shape[-1] // 2
     c, s = cos[..., :half], sin[..., :half]
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad)
-    if needs_grad or not (halves_repeat(cos, sin) if halved is None else halved):  # out= ops have no autograd
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or cos.requires_grad or sin.requires_grad
+    )
+    if needs_grad or not (
+        halves_repeat(cos, sin) if halved is None else halved
+    ):  # out= ops have no autograd
         y = x * cos + rotate_half(x) * sin
         return y if out is None else out.copy_(y)
     if out is None:

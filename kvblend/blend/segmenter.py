@@ -53,8 +53,9 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 CHUNK_IDS_CACHE_SIZE = 8192  # documents remembered per tokenizer (a few KB of ids each)
-_chunk_ids: "weakref.WeakKeyDictionary[object, OrderedDict[str, tuple[int, ...]]]" = \
+_chunk_ids: "weakref.WeakKeyDictionary[object, OrderedDict[str, tuple[int, ...]]]" = (
     weakref.WeakKeyDictionary()
+)
 _chunk_ids_lock = threading.Lock()
 _known: "weakref.WeakKeyDictionary[object, KnownDocuments]" = weakref.WeakKeyDictionary()
 
@@ -83,7 +84,9 @@ def encode_chunk(tokenizer, text: str) -> list[int]:
     return list(ids)
 
 
-def render_template_halves(tokenizer, system: str | None, history: list[dict] | None = None) -> tuple[str, str]:
+def render_template_halves(
+    tokenizer, system: str | None, history: list[dict] | None = None
+) -> tuple[str, str]:
     """The chat template rendered around the last user turn: (text before its content, text after).
 
     ``history`` holds earlier messages (system, user, assistant turns); they land in the first half.
@@ -94,7 +97,9 @@ def render_template_halves(tokenizer, system: str | None, history: list[dict] | 
     messages.append({"role": "user", "content": _MARKER})
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if rendered.count(_MARKER) != 1:
-        raise ValueError("the chat template did not render the user content verbatim; cannot segment it")
+        raise ValueError(
+            "the chat template did not render the user content verbatim; cannot segment it"
+        )
     before, after = rendered.split(_MARKER)
     # Templates print BOS themselves where the model wants one; ``encode`` never adds another.
     return before, after
@@ -109,8 +114,9 @@ def build_segments(
     history: list[dict] | None = None,
 ) -> Segments:
     """Segments for: [template start, system, history, user: instruction] [doc + sep]... [question + template end]."""
-    return build_segments_from_parts(tokenizer, canonical_chunks(documents), question,
-                                     system, history, leading_text=instruction)
+    return build_segments_from_parts(
+        tokenizer, canonical_chunks(documents), question, system, history, leading_text=instruction
+    )
 
 
 def canonical_chunk(text: str) -> str:
@@ -135,7 +141,7 @@ def split_plain_text(text: str) -> tuple[list[str], str]:
     pieces: list[str] = []
     pos = 0
     for m in re.finditer(sep, text):
-        pieces.append(text[pos:m.end()])
+        pieces.append(text[pos : m.end()])
         pos = m.end()
     pieces.append(text[pos:])
     pieces = [p for p in pieces if p]
@@ -145,8 +151,12 @@ def split_plain_text(text: str) -> tuple[list[str], str]:
 
 
 def build_segments_from_parts(
-    tokenizer, chunk_texts: list[str], query_text: str, system: str | None = None,
-    history: list[dict] | None = None, leading_text: str = "",
+    tokenizer,
+    chunk_texts: list[str],
+    query_text: str,
+    system: str | None = None,
+    history: list[dict] | None = None,
+    leading_text: str = "",
 ) -> Segments:
     """Like ``build_segments`` but chunk texts are used verbatim (no separator added)."""
     before, after = render_template_halves(tokenizer, system, history)
@@ -161,7 +171,9 @@ def build_completion_segments(tokenizer, prompt: str | list[int], documents: lis
     """Segments for a raw completion prompt (no chat template): [tokenizer's own BOS] [documents]
     [prompt pieces]. A text prompt is auto-segmented like a plain chat message, so blank-line-joined
     documents hit the cache; a prompt of token ids is the query as is."""
-    prefix = list(tokenizer.encode("", add_special_tokens=True))  # BOS for Llama-style tokenizers, else []
+    prefix = list(
+        tokenizer.encode("", add_special_tokens=True)
+    )  # BOS for Llama-style tokenizers, else []
     if isinstance(prompt, list):
         chunks = [encode_chunk(tokenizer, c) for c in canonical_chunks(documents)]
         return Segments(prefix_ids=prefix, chunk_ids=chunks, query_ids=list(prompt))
@@ -202,8 +214,9 @@ def render_template_pieces(tokenizer, roles: list[str]) -> list[str]:
     for i in range(len(roles)):
         marker = _MSG_MARKER.format(i)
         if rendered.count(marker) != 1 or rendered.find(marker, pos) < 0:
-            raise ValueError("the chat template did not render message content verbatim; "
-                             "cannot segment it")
+            raise ValueError(
+                "the chat template did not render message content verbatim; cannot segment it"
+            )
         at = rendered.index(marker, pos)
         pieces.append(rendered[pos:at])
         pos = at + len(marker)
@@ -211,8 +224,9 @@ def render_template_pieces(tokenizer, roles: list[str]) -> list[str]:
     return pieces
 
 
-def build_segments_from_messages(tokenizer, messages: list[dict],
-                                 documents: list[str] | None = None) -> Segments:
+def build_segments_from_messages(
+    tokenizer, messages: list[dict], documents: list[str] | None = None
+) -> Segments:
     """OpenAI chat messages -> segments. Documents are found, in order of precedence, in:
     ``documents`` (chunks before the last user message's text); the last user message as an array
     of text parts (every part but the last is a document); the last user message's text and a
@@ -276,12 +290,14 @@ def _segments_from_items(tokenizer, items: list[tuple[bool, str]], user_start: i
     chunks is a chunk itself. With no chunk, the prefix ends where the last user message starts."""
     chunk_at = [i for i, (is_chunk, _) in enumerate(items) if is_chunk]
     if not chunk_at:
-        return Segments(prefix_ids=encode(tokenizer, "".join(t for _, t in items[:user_start])),
-                        query_ids=encode(tokenizer, "".join(t for _, t in items[user_start:])))
+        return Segments(
+            prefix_ids=encode(tokenizer, "".join(t for _, t in items[:user_start])),
+            query_ids=encode(tokenizer, "".join(t for _, t in items[user_start:])),
+        )
     first, last = chunk_at[0], chunk_at[-1]
     chunks: list[str] = []
     glue = ""
-    for is_chunk, text in items[first:last + 1]:
+    for is_chunk, text in items[first : last + 1]:
         if is_chunk:
             if glue.strip():
                 chunks.append(glue)
@@ -289,6 +305,8 @@ def _segments_from_items(tokenizer, items: list[tuple[bool, str]], user_start: i
             glue = ""
         else:
             glue += text
-    return Segments(prefix_ids=encode(tokenizer, "".join(t for _, t in items[:first])),
-                    chunk_ids=[ids for ids in (encode_chunk(tokenizer, c) for c in chunks) if ids],
-                    query_ids=encode(tokenizer, "".join(t for _, t in items[last + 1:])))
+    return Segments(
+        prefix_ids=encode(tokenizer, "".join(t for _, t in items[:first])),
+        chunk_ids=[ids for ids in (encode_chunk(tokenizer, c) for c in chunks) if ids],
+        query_ids=encode(tokenizer, "".join(t for _, t in items[last + 1 :])),
+    )

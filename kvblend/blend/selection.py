@@ -20,12 +20,18 @@ import math
 import torch
 
 
-def token_deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor,
-                    cached_v: torch.Tensor, kind: str = "v") -> torch.Tensor:
+def token_deviation(
+    fresh_k: torch.Tensor,
+    fresh_v: torch.Tensor,
+    cached_k: torch.Tensor,
+    cached_v: torch.Tensor,
+    kind: str = "v",
+) -> torch.Tensor:
     """Squared L2 deviation per token, summed over heads and dims.
 
     fresh_*/cached_*: [kv_heads, N, d] (keys pre-RoPE, so positions do not enter) -> float32 [N].
     """
+
     def sq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (a.float() - b.float()).pow(2).sum(dim=(0, 2))
 
@@ -46,8 +52,13 @@ def attention_deviation(full_out: torch.Tensor, local_out: torch.Tensor) -> torc
     return (full_out.float() - local_out.float()).pow(2).sum(dim=-1)
 
 
-def query_attention(query_q: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
-                    scaling: float, max_scores: int = 1 << 24) -> torch.Tensor:
+def query_attention(
+    query_q: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    scaling: float,
+    max_scores: int = 1 << 24,
+) -> torch.Tensor:
     """Attention probability each key receives from the query rows, summed over heads and query rows.
 
     query_q [Hq, Q, d] and keys [Hkv, T, d] post-RoPE (Hq a multiple of Hkv: grouped-query heads share a
@@ -65,12 +76,14 @@ def query_attention(query_q: torch.Tensor, keys: torch.Tensor, query_positions: 
     total = torch.zeros(num_keys, dtype=torch.float32, device=keys.device)
     block = max(1, max_scores // (num_heads * num_keys))
     for start in range(0, num_rows, block):
-        positions = query_positions[start:start + block]
+        positions = query_positions[start : start + block]
         first = int(positions.min())  # keys before it precede every row of the block
         hidden = ~causal_mask(positions, num_keys, first_key=first)  # [B, T - first]
-        q = query_q[:, start:start + block].float().mul(scaling)  # [Hq, B, d]
+        q = query_q[:, start : start + block].float().mul(scaling)  # [Hq, B, d]
         rows = q.shape[1]
-        scores = torch.bmm(q.reshape(num_kv_heads, group * rows, head_dim), keys_t)  # [Hkv, group * B, T]
+        scores = torch.bmm(
+            q.reshape(num_kv_heads, group * rows, head_dim), keys_t
+        )  # [Hkv, group * B, T]
         scores = scores.view(num_kv_heads, group, rows, num_keys)
         scores[..., first:].masked_fill_(hidden, float("-inf"))
         total += torch.softmax(scores, dim=-1).view(-1, num_keys).sum(0)

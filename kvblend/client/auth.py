@@ -63,19 +63,29 @@ class Endpoint:
 
     def public_dict(self) -> dict:
         """What reports may record: everything but the key."""
-        return {"name": self.name, "base_url": self.base_url, "model_id": self.model_id,
-                "timeout": self.timeout, "max_retries": self.max_retries, "source": self.source}
+        return {
+            "name": self.name,
+            "base_url": self.base_url,
+            "model_id": self.model_id,
+            "timeout": self.timeout,
+            "max_retries": self.max_retries,
+            "source": self.source,
+        }
 
 
-def find_auth_file(explicit: str | Path | None, cwd: Path | None = None,
-                   config_dir: Path | None = None) -> Path | None:
+def find_auth_file(
+    explicit: str | Path | None, cwd: Path | None = None, config_dir: Path | None = None
+) -> Path | None:
     """The auth.json to use, or None when there is none (environment variables may still suffice)."""
     if explicit:
         path = Path(explicit).expanduser()
         if not path.is_file():
             raise AuthError(f"auth file not found: {path}")
         return path
-    for candidate in ((cwd or Path.cwd()) / AUTH_FILENAME, (config_dir or default_config_dir()) / AUTH_FILENAME):
+    for candidate in (
+        (cwd or Path.cwd()) / AUTH_FILENAME,
+        (config_dir or default_config_dir()) / AUTH_FILENAME,
+    ):
         if candidate.is_file():
             return candidate
     return None
@@ -84,7 +94,9 @@ def find_auth_file(explicit: str | Path | None, cwd: Path | None = None,
 def _check_settings(settings: dict, where: str) -> dict:
     unknown = sorted(set(settings) - set(SETTING_KEYS))
     if unknown:
-        raise AuthError(f"{where}: unknown key(s) {', '.join(unknown)}; expected {', '.join(SETTING_KEYS)}")
+        raise AuthError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; expected {', '.join(SETTING_KEYS)}"
+        )
     for key in ("base_url", "api_key", "model_id"):
         if key in settings and not isinstance(settings[key], str):
             raise AuthError(f"{where}: {key} must be a string")
@@ -104,7 +116,9 @@ def read_auth_file(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise AuthError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        raise AuthError(
+            f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"
+        ) from None
     except OSError as e:
         raise AuthError(f"{path}: cannot read: {e.strerror}") from None
     if not isinstance(data, dict):
@@ -113,7 +127,9 @@ def read_auth_file(path: Path) -> dict:
     if not isinstance(profiles, dict) or not all(isinstance(p, dict) for p in profiles.values()):
         raise AuthError(f"{path}: 'profiles' must map names to objects")
     settings = _check_settings(data, str(path))
-    checked = {name: _check_settings(dict(p), f"{path} profile {name!r}") for name, p in profiles.items()}
+    checked = {
+        name: _check_settings(dict(p), f"{path} profile {name!r}") for name, p in profiles.items()
+    }
     return {"settings": settings, "profiles": checked}
 
 
@@ -122,8 +138,13 @@ def _default_label(base_url: str) -> str:
     return parts.netloc or base_url
 
 
-def load_endpoint(auth: str | Path | None = None, profile: str | None = None,
-                  env: dict | None = None, cwd: Path | None = None, config_dir: Path | None = None) -> Endpoint:
+def load_endpoint(
+    auth: str | Path | None = None,
+    profile: str | None = None,
+    env: dict | None = None,
+    cwd: Path | None = None,
+    config_dir: Path | None = None,
+) -> Endpoint:
     """Resolve one endpoint. ``env`` defaults to ``client_env_overrides()`` (pass {} to ignore the environment)."""
     path = find_auth_file(auth, cwd=cwd, config_dir=config_dir)
     parsed = read_auth_file(path) if path else {"settings": {}, "profiles": {}}
@@ -142,11 +163,14 @@ def load_endpoint(auth: str | Path | None = None, profile: str | None = None,
         source += " + env " + ",".join(v for v, k in CLIENT_ENV_VARS.items() if k in overrides)
     base_url = str(settings.get("base_url", "")).strip()
     if not base_url:
-        looked = f"--auth, ./{AUTH_FILENAME}, {(config_dir or default_config_dir()) / AUTH_FILENAME}"
+        looked = (
+            f"--auth, ./{AUTH_FILENAME}, {(config_dir or default_config_dir()) / AUTH_FILENAME}"
+        )
         why = f"{path} has no base_url" if path else f"no auth.json found (looked in {looked})"
         raise AuthError(f"{why}; set base_url there or KVBLEND_BASE_URL")
     return Endpoint(
-        name=profile or (path.stem if path and path.name != AUTH_FILENAME else _default_label(base_url)),
+        name=profile
+        or (path.stem if path and path.name != AUTH_FILENAME else _default_label(base_url)),
         base_url=base_url.rstrip("/"),
         api_key=settings.get("api_key", ""),
         model_id=settings.get("model_id", "").strip(),
@@ -160,9 +184,15 @@ def add_endpoint_arguments(parser: argparse.ArgumentParser, multiple: bool = Fal
     """``--auth`` / ``--profile``; with ``multiple`` both repeat to compare endpoints side by side."""
     action = "append" if multiple else "store"
     more = " (repeat to compare several)" if multiple else ""
-    parser.add_argument("--auth", action=action, metavar="PATH",
-                        help=f"auth.json file{more}; default ./auth.json, then ~/.config/kvblend/auth.json")
-    parser.add_argument("--profile", action=action, metavar="NAME", help=f"profile inside auth.json{more}")
+    parser.add_argument(
+        "--auth",
+        action=action,
+        metavar="PATH",
+        help=f"auth.json file{more}; default ./auth.json, then ~/.config/kvblend/auth.json",
+    )
+    parser.add_argument(
+        "--profile", action=action, metavar="NAME", help=f"profile inside auth.json{more}"
+    )
 
 
 def endpoints_from_args(args: argparse.Namespace) -> list[Endpoint]:
@@ -172,11 +202,17 @@ def endpoints_from_args(args: argparse.Namespace) -> list[Endpoint]:
     endpoints = [load_endpoint(a, p) for a in (auths or [None]) for p in (profiles or [None])]
     if len(endpoints) > 1 and client_env_overrides():
         # Env overrides apply to every profile, so side-by-side endpoints may silently become one.
-        logging.getLogger(__name__).warning("KVBLEND_BASE_URL/_API_KEY/_MODEL_ID override every compared endpoint")
+        logging.getLogger(__name__).warning(
+            "KVBLEND_BASE_URL/_API_KEY/_MODEL_ID override every compared endpoint"
+        )
     seen: dict[str, int] = {}
     unique = []
     for ep in endpoints:
         seen[ep.name] = seen.get(ep.name, 0) + 1
         label = ep.name if seen[ep.name] == 1 else f"{ep.name}#{seen[ep.name]}"
-        unique.append(Endpoint(label, ep.base_url, ep.api_key, ep.model_id, ep.timeout, ep.max_retries, ep.source))
+        unique.append(
+            Endpoint(
+                label, ep.base_url, ep.api_key, ep.model_id, ep.timeout, ep.max_retries, ep.source
+            )
+        )
     return unique

@@ -52,27 +52,52 @@ def classify_network_error(exc: BaseException, base_url: str) -> tuple[str, str]
     chain = _chain(exc)
     text = " ".join(str(e) for e in chain)
     if isinstance(exc, httpx.UnsupportedProtocol):
-        return (f"base_url {base_url!r} has no http:// or https:// scheme",
-                "write base_url as http://HOST:PORT/v1")
+        return (
+            f"base_url {base_url!r} has no http:// or https:// scheme",
+            "write base_url as http://HOST:PORT/v1",
+        )
     if any(isinstance(e, httpx.TimeoutException) or isinstance(e, TimeoutError) for e in chain):
-        return (f"network failure: timed out talking to {where}",
-                "check host/port and any firewall or proxy; a busy server may need a larger timeout in auth.json")
+        return (
+            f"network failure: timed out talking to {where}",
+            "check host/port and any firewall or proxy; a busy server may need a larger timeout in auth.json",
+        )
     if any(isinstance(e, socket.gaierror) for e in chain) or any(
-            s in text for s in ("Name or service not known", "nodename nor servname", "Temporary failure in name",
-                                "No address associated", "getaddrinfo failed")):
-        return (f"network failure: DNS lookup failed for host {parts.hostname!r}",
-                "check the host name in base_url (typo? VPN? use an IP address)")
+        s in text
+        for s in (
+            "Name or service not known",
+            "nodename nor servname",
+            "Temporary failure in name",
+            "No address associated",
+            "getaddrinfo failed",
+        )
+    ):
+        return (
+            f"network failure: DNS lookup failed for host {parts.hostname!r}",
+            "check the host name in base_url (typo? VPN? use an IP address)",
+        )
     if any(isinstance(e, ssl.SSLError) for e in chain) or "SSL" in text or "CERTIFICATE" in text:
         if "CERTIFICATE_VERIFY_FAILED" in text:
-            return (f"network failure: TLS certificate of {where} is not trusted",
-                    "install a trusted certificate, or use http:// for a local server")
-        return (f"network failure: TLS handshake with {where} failed ({str(chain[-1])[:80]})",
-                "the server probably speaks plain HTTP: use http:// in base_url")
-    if any(isinstance(e, ConnectionRefusedError) for e in chain) or "Connection refused" in text or any(
-            getattr(e, "errno", None) == errno.ECONNREFUSED for e in chain):
-        return (f"network failure: connection refused at {where} (nothing is listening there)",
-                "start the server (e.g. `kvblend serve`) or fix the port in base_url")
-    return f"network failure: {type(exc).__name__}: {text[:160]}", "check base_url and that the server is running"
+            return (
+                f"network failure: TLS certificate of {where} is not trusted",
+                "install a trusted certificate, or use http:// for a local server",
+            )
+        return (
+            f"network failure: TLS handshake with {where} failed ({str(chain[-1])[:80]})",
+            "the server probably speaks plain HTTP: use http:// in base_url",
+        )
+    if (
+        any(isinstance(e, ConnectionRefusedError) for e in chain)
+        or "Connection refused" in text
+        or any(getattr(e, "errno", None) == errno.ECONNREFUSED for e in chain)
+    ):
+        return (
+            f"network failure: connection refused at {where} (nothing is listening there)",
+            "start the server (e.g. `kvblend serve`) or fix the port in base_url",
+        )
+    return (
+        f"network failure: {type(exc).__name__}: {text[:160]}",
+        "check base_url and that the server is running",
+    )
 
 
 def _error_message(response) -> str:
@@ -115,7 +140,9 @@ def _path_fix(base_url: str, http) -> str:
         except Exception:  # noqa: BLE001 - only a suggestion
             pass
         return f"base_url should end with the API prefix, usually /v1: try {trimmed}/v1"
-    return "the server has no /v1/models; check its API prefix (is this an OpenAI-compatible server?)"
+    return (
+        "the server has no /v1/models; check its API prefix (is this an OpenAI-compatible server?)"
+    )
 
 
 def check_key(endpoint: Endpoint, http, models_url: str) -> tuple[Check, object | None]:
@@ -124,8 +151,12 @@ def check_key(endpoint: Endpoint, http, models_url: str) -> tuple[Check, object 
 
     key = endpoint.api_key
     if not key:
-        return Check("key accepted", FAIL, "server requires a key and api_key is empty",
-                     "set api_key in auth.json (or KVBLEND_CLIENT_API_KEY)"), None
+        return Check(
+            "key accepted",
+            FAIL,
+            "server requires a key and api_key is empty",
+            "set api_key in auth.json (or KVBLEND_CLIENT_API_KEY)",
+        ), None
     try:
         r = http.get(models_url, headers={"Authorization": f"Bearer {key}"})
     except httpx.LocalProtocolError:
@@ -136,25 +167,47 @@ def check_key(endpoint: Endpoint, http, models_url: str) -> tuple[Check, object 
 
     def works(candidate: str) -> bool:
         try:
-            return http.get(models_url, headers={"Authorization": f"Bearer {candidate}"}).status_code < 400
+            return (
+                http.get(models_url, headers={"Authorization": f"Bearer {candidate}"}).status_code
+                < 400
+            )
         except httpx.HTTPError:
             return False
 
     if key != key.strip():
         confirmed = " (confirmed: the stripped key is accepted)" if works(key.strip()) else ""
-        return Check("key accepted", FAIL, f"{status}: api_key has stray whitespace or a line break{confirmed}",
-                     f"remove the whitespace around api_key in {endpoint.source}"), None
+        return Check(
+            "key accepted",
+            FAIL,
+            f"{status}: api_key has stray whitespace or a line break{confirmed}",
+            f"remove the whitespace around api_key in {endpoint.source}",
+        ), None
     if key.lower().startswith("bearer "):
-        bare = key[len("bearer "):].strip()
+        bare = key[len("bearer ") :].strip()
         confirmed = " (confirmed: the bare key is accepted)" if works(bare) else ""
-        return Check("key accepted", FAIL, f"{status}: api_key starts with 'Bearer '{confirmed}",
-                     "store the bare key; the client adds 'Authorization: Bearer ' itself"), None
-    if r is not None and "bearer" in _error_message(r).lower() and "missing" in _error_message(r).lower():
-        return Check("key accepted", FAIL, f"{status}: the server saw no Bearer token",
-                     "a proxy may strip the Authorization header; the header must read 'Authorization: Bearer <key>'"
-                     ), None
-    return Check("key accepted", FAIL, f"{status}: wrong key ({endpoint.masked_key} rejected)",
-                 "use the key the server was started with; clients must send 'Authorization: Bearer <key>'"), None
+        return Check(
+            "key accepted",
+            FAIL,
+            f"{status}: api_key starts with 'Bearer '{confirmed}",
+            "store the bare key; the client adds 'Authorization: Bearer ' itself",
+        ), None
+    if (
+        r is not None
+        and "bearer" in _error_message(r).lower()
+        and "missing" in _error_message(r).lower()
+    ):
+        return Check(
+            "key accepted",
+            FAIL,
+            f"{status}: the server saw no Bearer token",
+            "a proxy may strip the Authorization header; the header must read 'Authorization: Bearer <key>'",
+        ), None
+    return Check(
+        "key accepted",
+        FAIL,
+        f"{status}: wrong key ({endpoint.masked_key} rejected)",
+        "use the key the server was started with; clients must send 'Authorization: Bearer <key>'",
+    ), None
 
 
 def _stream_checks(endpoint: Endpoint, model: str, offered: list[str] | None) -> list[Check]:
@@ -163,10 +216,16 @@ def _stream_checks(endpoint: Endpoint, model: str, offered: list[str] | None) ->
     from kvblend.client.stream import ChatRequest, make_async_client, stream_chat
 
     async def probe() -> tuple:
-        client = make_async_client(endpoint, max_retries=0)  # doctor reports failures, it does not hide them
+        client = make_async_client(
+            endpoint, max_retries=0
+        )  # doctor reports failures, it does not hide them
         try:
             first = await stream_chat(client, model, ChatRequest(PROBE_MESSAGES, max_tokens=8))
-            one = await stream_chat(client, model, ChatRequest(PROBE_MESSAGES, max_tokens=1)) if first.ok else None
+            one = (
+                await stream_chat(client, model, ChatRequest(PROBE_MESSAGES, max_tokens=1))
+                if first.ok
+                else None
+            )
             return first, one
         finally:
             await client.close()
@@ -176,8 +235,11 @@ def _stream_checks(endpoint: Endpoint, model: str, offered: list[str] | None) ->
     if not first.ok:
         fix = "see the error; run with -v for the full trace"
         if first.status_code == 404:
-            fix = f"model {model!r} not found: use one of {', '.join(offered)}" if offered else \
-                "check model_id and the chat/completions path"
+            fix = (
+                f"model {model!r} not found: use one of {', '.join(offered)}"
+                if offered
+                else "check model_id and the chat/completions path"
+            )
         elif first.status_code in (401, 403):
             fix = "the key is rejected for chat completions: check api_key and its permissions"
         elif first.status_code == 400 and "stream_options" in (first.error or ""):
@@ -186,23 +248,48 @@ def _stream_checks(endpoint: Endpoint, model: str, offered: list[str] | None) ->
             fix = "the server dropped the stream: check its log"
         checks.append(Check("streaming parses", FAIL, first.error or "", fix))
     elif not first.text:
-        checks.append(Check("streaming parses", FAIL,
-                            f"{first.chunks} chunks but no choices[0].delta.content text",
-                            "the server must stream content in choices[0].delta.content"))
+        checks.append(
+            Check(
+                "streaming parses",
+                FAIL,
+                f"{first.chunks} chunks but no choices[0].delta.content text",
+                "the server must stream content in choices[0].delta.content",
+            )
+        )
     else:
         usage = "usage reported" if first.prompt_tokens is not None else "no usage in stream"
         cached = "cached_tokens reported" if first.cached_tokens is not None else "no cached_tokens"
-        tolerated = f", {first.empty_choice_chunks} empty-choices chunk(s) skipped" if first.empty_choice_chunks else ""
-        checks.append(Check("streaming parses", PASS,
-                            f"{first.chunks} chunks, text {first.text[:40]!r}, {usage}, {cached}{tolerated}"))
+        tolerated = (
+            f", {first.empty_choice_chunks} empty-choices chunk(s) skipped"
+            if first.empty_choice_chunks
+            else ""
+        )
+        checks.append(
+            Check(
+                "streaming parses",
+                PASS,
+                f"{first.chunks} chunks, text {first.text[:40]!r}, {usage}, {cached}{tolerated}",
+            )
+        )
     if one is None:
         checks.append(Check("one-token TTFT", SKIP, "needs: streaming parses"))
     elif one.ok and one.ttft_s is not None:
-        checks.append(Check("one-token TTFT", PASS,
-                            f"{one.ttft_s * 1000:.0f} ms to first token (request total {one.total_s * 1000:.0f} ms)"))
+        checks.append(
+            Check(
+                "one-token TTFT",
+                PASS,
+                f"{one.ttft_s * 1000:.0f} ms to first token (request total {one.total_s * 1000:.0f} ms)",
+            )
+        )
     else:
-        checks.append(Check("one-token TTFT", FAIL, one.error or "no content token arrived with max_tokens=1",
-                            "the server must send the first token as a content delta"))
+        checks.append(
+            Check(
+                "one-token TTFT",
+                FAIL,
+                one.error or "no content token arrived with max_tokens=1",
+                "the server must send the first token as a content delta",
+            )
+        )
     return checks
 
 
@@ -210,7 +297,14 @@ def run_checks(endpoint: Endpoint) -> list[Check]:
     import httpx
 
     checks: list[Check] = []
-    names = ["endpoint reachable", "/v1 path", "key accepted", "model id exists", "streaming parses", "one-token TTFT"]
+    names = [
+        "endpoint reachable",
+        "/v1 path",
+        "key accepted",
+        "model id exists",
+        "streaming parses",
+        "one-token TTFT",
+    ]
 
     def skip_rest(reason: str) -> list[Check]:
         done = {c.name for c in checks}
@@ -227,21 +321,43 @@ def run_checks(endpoint: Endpoint) -> list[Check]:
             checks.append(Check(names[0], FAIL, detail, fix))
             return skip_rest(names[0])
         elapsed = anon.elapsed.total_seconds() * 1000
-        checks.append(Check(names[0], PASS, f"HTTP {anon.status_code} from GET {models_url} in {elapsed:.0f} ms"))
+        checks.append(
+            Check(
+                names[0], PASS, f"HTTP {anon.status_code} from GET {models_url} in {elapsed:.0f} ms"
+            )
+        )
 
         # 2. path: /models must exist and answer like an OpenAI API.
         if anon.status_code in (404, 405):
-            checks.append(Check(names[1], FAIL, f"GET {models_url} -> {anon.status_code} (no such path)",
-                                _path_fix(endpoint.base_url, http)))
+            checks.append(
+                Check(
+                    names[1],
+                    FAIL,
+                    f"GET {models_url} -> {anon.status_code} (no such path)",
+                    _path_fix(endpoint.base_url, http),
+                )
+            )
             return skip_rest(names[1])
         needs_key = anon.status_code in (401, 403)
         if not needs_key and (anon.status_code >= 400 or _models_from(anon) is None):
             kind = anon.headers.get("content-type", "?")
-            checks.append(Check(names[1], FAIL, f"GET {models_url} -> {anon.status_code} {kind}, not an OpenAI "
-                                "model list", _path_fix(endpoint.base_url, http)))
+            checks.append(
+                Check(
+                    names[1],
+                    FAIL,
+                    f"GET {models_url} -> {anon.status_code} {kind}, not an OpenAI model list",
+                    _path_fix(endpoint.base_url, http),
+                )
+            )
             return skip_rest(names[1])
-        checks.append(Check(names[1], PASS, f"{models_url} answers"
-                            + (" (requires a key)" if needs_key else " with a model list")))
+        checks.append(
+            Check(
+                names[1],
+                PASS,
+                f"{models_url} answers"
+                + (" (requires a key)" if needs_key else " with a model list"),
+            )
+        )
 
         # 3. key.
         if needs_key:
@@ -251,18 +367,37 @@ def run_checks(endpoint: Endpoint) -> list[Check]:
                 return skip_rest(names[2])
         else:
             listed = anon
-            checks.append(Check(names[2], PASS, "server does not require a key"
-                                + (f" (configured {endpoint.masked_key} unused)" if endpoint.api_key else "")))
+            checks.append(
+                Check(
+                    names[2],
+                    PASS,
+                    "server does not require a key"
+                    + (f" (configured {endpoint.masked_key} unused)" if endpoint.api_key else ""),
+                )
+            )
 
     # 4. model id.
     offered = _models_from(listed) if listed is not None else None
     if not endpoint.model_id:
-        checks.append(Check(names[3], FAIL, "model_id is not set",
-                            f"set model_id to one of: {', '.join(offered or []) or '(server lists none)'}"))
+        checks.append(
+            Check(
+                names[3],
+                FAIL,
+                "model_id is not set",
+                f"set model_id to one of: {', '.join(offered or []) or '(server lists none)'}",
+            )
+        )
         return skip_rest(names[3])
     if offered is not None and endpoint.model_id not in offered:
-        checks.append(Check(names[3], FAIL, f"model {endpoint.model_id!r} is not offered; the server offers: "
-                            f"{', '.join(offered) or '(none)'}", "set model_id to one of the offered ids"))
+        checks.append(
+            Check(
+                names[3],
+                FAIL,
+                f"model {endpoint.model_id!r} is not offered; the server offers: "
+                f"{', '.join(offered) or '(none)'}",
+                "set model_id to one of the offered ids",
+            )
+        )
         return skip_rest(names[3])
     checks.append(Check(names[3], PASS, f"{endpoint.model_id!r} is listed by /models"))
 
@@ -273,7 +408,9 @@ def run_checks(endpoint: Endpoint) -> list[Check]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_endpoint_arguments(parser, multiple=False)
-    parser.add_argument("--timeout", type=float, default=None, help="seconds per request (default: auth.json's)")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds per request (default: auth.json's)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -282,11 +419,17 @@ def run(args: argparse.Namespace) -> int:
     endpoint = load_endpoint(args.auth, args.profile)
     if args.timeout:
         endpoint = replace(endpoint, timeout=float(args.timeout))
-    print(f"endpoint {endpoint.name}: {endpoint.base_url}  model={endpoint.model_id or '(unset)'}  "
-          f"key={endpoint.masked_key}  [{endpoint.source}]")
+    print(
+        f"endpoint {endpoint.name}: {endpoint.base_url}  model={endpoint.model_id or '(unset)'}  "
+        f"key={endpoint.masked_key}  [{endpoint.source}]"
+    )
     checks = run_checks(endpoint)
     for check in checks:
         print(check.line())
     failed = sum(c.status == FAIL for c in checks)
-    print(f"result: {failed} of {len(checks)} checks failed" if failed else f"result: all {len(checks)} checks passed")
+    print(
+        f"result: {failed} of {len(checks)} checks failed"
+        if failed
+        else f"result: all {len(checks)} checks passed"
+    )
     return 1 if failed else 0

@@ -133,8 +133,13 @@ async def stream_chat(client, model: str, request: ChatRequest) -> StreamResult:
     t0 = time.perf_counter()
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=request.messages, max_tokens=request.max_tokens,
-            temperature=request.temperature, stream=True, **kwargs)
+            model=model,
+            messages=request.messages,
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            stream=True,
+            **kwargs,
+        )
         async for chunk in stream:
             result.chunks += 1
             if getattr(chunk, "usage", None):
@@ -170,6 +175,8 @@ async def resolve_model_id(client, endpoint: Endpoint) -> str:
         return endpoint.model_id
     ids = await list_model_ids(client)
     if len(ids) != 1:
-        raise ValueError(f"{endpoint.name}: model_id is not set and the server offers {len(ids)} models "
-                         f"({', '.join(ids) or 'none'}); set model_id in auth.json or KVBLEND_MODEL_ID")
+        raise ValueError(
+            f"{endpoint.name}: model_id is not set and the server offers {len(ids)} models "
+            f"({', '.join(ids) or 'none'}); set model_id in auth.json or KVBLEND_MODEL_ID"
+        )
     return ids[0]

@@ -11,24 +11,47 @@ from kvblend.policy import PrefillPolicy, parse_selection
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--doc", action="append", default=[], help="a document (chunk); repeatable")
-    p.add_argument("--docs-file", help="a JSONL file of documents ({\"text\": ...} per line) or plain lines")
+    p.add_argument(
+        "--docs-file", help='a JSONL file of documents ({"text": ...} per line) or plain lines'
+    )
     p.add_argument("--question", required=True, help="the question (query segment)")
-    p.add_argument("--instruction", default="", help="text after the template start, before the documents")
-    p.add_argument("--model", default=default_model(),
-                   help="HF dir or .gguf (default: KVBLEND_MODEL, else the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default=default_dtype(), choices=["auto", "bfloat16", "float32"],
-                   help="auto (default): bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, else float32")
+    p.add_argument(
+        "--instruction", default="", help="text after the template start, before the documents"
+    )
+    p.add_argument(
+        "--model",
+        default=default_model(),
+        help="HF dir or .gguf (default: KVBLEND_MODEL, else the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=default_dtype(),
+        choices=["auto", "bfloat16", "float32"],
+        help="auto (default): bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, else float32",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--mode", default="blend", choices=["full", "prefix", "reuse", "blend"])
-    p.add_argument("--ratio", type=float, default=None, help="blend recompute ratio in [0, 1] (default: the "
-                                                             "engine's, 0.15)")
-    p.add_argument("--fidelity", type=float, default=None,
-                   help="target first-token agreement with full prefill in (0, 1]: ratio and selection from "
-                        "`kvblend calibrate` (full prefill where none meets it); excludes --ratio/--selection")
-    p.add_argument("--selection", default=None, type=_selection,
-                   help="which chunk tokens blend recomputes: deviation (largest KV deviation at the check layer), "
-                        "query (most attended by the query there) or lookahead (most attended by the query over "
-                        "all layers of a reuse pass run first; lookahead:N over its first N); default: the engine's")
+    p.add_argument(
+        "--ratio",
+        type=float,
+        default=None,
+        help="blend recompute ratio in [0, 1] (default: the engine's, 0.15)",
+    )
+    p.add_argument(
+        "--fidelity",
+        type=float,
+        default=None,
+        help="target first-token agreement with full prefill in (0, 1]: ratio and selection from "
+        "`kvblend calibrate` (full prefill where none meets it); excludes --ratio/--selection",
+    )
+    p.add_argument(
+        "--selection",
+        default=None,
+        type=_selection,
+        help="which chunk tokens blend recomputes: deviation (largest KV deviation at the check layer), "
+        "query (most attended by the query there) or lookahead (most attended by the query over "
+        "all layers of a reuse pass run first; lookahead:N over its first N); default: the engine's",
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -61,20 +84,35 @@ def run(args) -> int:
     from kvblend.engine.request import GenerationRequest, SamplingParams
 
     docs = list(args.doc) + (_read_docs(args.docs_file) if args.docs_file else [])
-    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              seed=args.seed)
-    engine = create_engine(EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device)))
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    engine = create_engine(
+        EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device))
+    )
     segs = engine.segments(docs, args.question, instruction=args.instruction)
     if args.mode in ("reuse", "blend"):
-        engine.precompute(segs.chunk_ids)  # a one-shot run has an empty store: fill it first, untimed
+        engine.precompute(
+            segs.chunk_ids
+        )  # a one-shot run has an empty store: fill it first, untimed
     policy = PrefillPolicy.from_fields(args.mode, args.ratio, args.selection)
     result = engine.run(GenerationRequest(segs, sampling, policy, fidelity=args.fidelity))
     if args.json:
-        print(json.dumps({"text": result.text, "finish_reason": result.finish_reason, **result.stats.as_dict()}))
+        print(
+            json.dumps(
+                {
+                    "text": result.text,
+                    "finish_reason": result.finish_reason,
+                    **result.stats.as_dict(),
+                }
+            )
+        )
     else:
         s = result.stats
         print(result.text)
         how = f"{s.mode} r={s.recompute_ratio:g}" + (f" {s.selection}" if s.selection else "")
-        print(f"[{how}: {s.prompt_tokens} prompt tokens, {s.cached_tokens} cached "
-              f"({s.recomputed_tokens} recomputed), TTFT {s.ttft_ms:.0f} ms]")
+        print(
+            f"[{how}: {s.prompt_tokens} prompt tokens, {s.cached_tokens} cached "
+            f"({s.recomputed_tokens} recomputed), TTFT {s.ttft_ms:.0f} ms]"
+        )
     return 0

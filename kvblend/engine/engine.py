@@ -20,25 +20,46 @@ import torch
 from kvblend.blend.blender import KVCache, PrefillPlan, run_prefill
 from kvblend.blend.buffers import BufferPool, typed_view
 from kvblend.blend.rope import apply_rope, halves_repeat
-from kvblend.blend.segmenter import (Segments, build_segments, build_segments_from_messages, encode,
-                                     render_template_halves)
+from kvblend.blend.segmenter import (
+    Segments,
+    build_segments,
+    build_segments_from_messages,
+    encode,
+    render_template_halves,
+)
 from kvblend.blend.selection import num_to_keep, select_top_tokens
 from kvblend.config import EngineConfig, validate_fidelity
-from kvblend.policy import Mode, PrefillPolicy, Selection, validate_lookahead_layers
-from kvblend.engine.fidelity import (AUTO_FALLBACK, FAMILY_DEFAULTS, Calibration, FidelityController, Setting,
-                                     calibration_path)
-from kvblend.engine.request import (GenerationRequest, GenerationResult, PrefillStats, SamplingParams,
-                                    TokenEvent)
-from kvblend.engine.sampler import create_generator, sample, token_logprobs
-from kvblend.models.loader import EMBEDDED_MODEL_ID, LoadedModel, load_model
-from kvblend.kernels import (KERNELS_BY_NAME, KernelUnavailable, dtype_name, kernels_for,
-                             select_rows_attention)
-from kvblend.models.transformer import TransformerOps
+from kvblend.engine.fidelity import (
+    AUTO_FALLBACK,
+    FAMILY_DEFAULTS,
+    Calibration,
+    FidelityController,
+    Setting,
+    calibration_path,
+)
 from kvblend.engine.kv_loader import LayerwiseLoader, load_sync
+from kvblend.engine.request import (
+    GenerationRequest,
+    GenerationResult,
+    PrefillStats,
+    SamplingParams,
+    TokenEvent,
+)
+from kvblend.engine.sampler import create_generator, sample, token_logprobs
+from kvblend.kernels import (
+    KERNELS_BY_NAME,
+    KernelUnavailable,
+    dtype_name,
+    kernels_for,
+    select_rows_attention,
+)
+from kvblend.models.loader import EMBEDDED_MODEL_ID, LoadedModel, load_model
+from kvblend.models.transformer import TransformerOps
+from kvblend.policy import Mode, PrefillPolicy, Selection, validate_lookahead_layers
 from kvblend.store.base import ChunkKV, KVStore
-from kvblend.store.reader import KVReadError, KVReader, TensorReader
 from kvblend.store.key import make_chunk_key, make_prefix_key
 from kvblend.store.memory import MemoryStore
+from kvblend.store.reader import KVReader, KVReadError, TensorReader
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +68,11 @@ SHADOW_QUEUE = 4  # sampled requests waiting for a shadow full prefill; more are
 
 class ContextLengthError(ValueError):
     def __init__(self, prompt_tokens: int, max_tokens: int, max_context_len: int):
-        self.prompt_tokens, self.max_tokens, self.max_context_len = prompt_tokens, max_tokens, max_context_len
+        self.prompt_tokens, self.max_tokens, self.max_context_len = (
+            prompt_tokens,
+            max_tokens,
+            max_context_len,
+        )
         super().__init__(
             f"this model's maximum context length is {max_context_len} tokens; the prompt has {prompt_tokens} "
             f"tokens and {max_tokens} more were requested for the completion ({prompt_tokens + max_tokens} in all)"
@@ -91,8 +116,13 @@ class Sequence:
         weakref.finalize(self, cache.release)
 
     def result(self) -> GenerationResult:
-        return GenerationResult(list(self.generated), self.text, self.finish_reason or "length",
-                                self.stats, self.first_token_logits)
+        return GenerationResult(
+            list(self.generated),
+            self.text,
+            self.finish_reason or "length",
+            self.stats,
+            self.first_token_logits,
+        )
 
 
 class Engine:
@@ -122,8 +152,9 @@ class Engine:
         self._deferred: dict[str, list[int]] = {}
         # (sequence, its K workspace buffer): chained KV to store once the first token is out.
         self._pending_stores: list[tuple[Sequence, object]] = []
-        self.calibration_path = config.calibration_path or calibration_path(config.model.cache_dir,
-                                                                            loaded.model_dir, config.model.dtype)
+        self.calibration_path = config.calibration_path or calibration_path(
+            config.model.cache_dir, loaded.model_dir, config.model.dtype
+        )
         self.fidelity = FidelityController(self._load_calibration())
         self._shadow: deque = deque()  # (segments, namespace, choice, blend's first-token argmax)
         self._shadow_count = 0
@@ -131,8 +162,12 @@ class Engine:
     def _load_calibration(self) -> Calibration | None:
         """This model's calibration, if one was measured for these weights and dtype."""
         cal = Calibration.load(self.calibration_path)
-        if cal is not None and (cal.fingerprint != self.fingerprint or cal.dtype != self.config.model.dtype):
-            log.warning("ignoring %s: measured on other weights or another dtype", self.calibration_path)
+        if cal is not None and (
+            cal.fingerprint != self.fingerprint or cal.dtype != self.config.model.dtype
+        ):
+            log.warning(
+                "ignoring %s: measured on other weights or another dtype", self.calibration_path
+            )
             return None
         return cal
 
@@ -140,11 +175,14 @@ class Engine:
         self.fidelity = FidelityController(self._load_calibration())
 
     # ---- prompts -------------------------------------------------------------------------------
-    def segments(self, documents: list[str], question: str, instruction: str = "",
-                 system: str | None = None) -> Segments:
+    def segments(
+        self, documents: list[str], question: str, instruction: str = "", system: str | None = None
+    ) -> Segments:
         return build_segments(self.tokenizer, documents, question, instruction, system)
 
-    def segments_from_messages(self, messages: list[dict], documents: list[str] | None = None) -> Segments:
+    def segments_from_messages(
+        self, messages: list[dict], documents: list[str] | None = None
+    ) -> Segments:
         """OpenAI chat messages -> segments (``segmenter.build_segments_from_messages``)."""
         return build_segments_from_messages(self.tokenizer, messages, documents)
 
@@ -182,17 +220,23 @@ class Engine:
         if not chunk_ids:
             raise ValueError("empty chunk")
         if total > self.max_context_len:
-            raise ValueError(f"chunk of {len(chunk_ids)} tokens (+{len(ctx)} context) exceeds the "
-                             f"context window of {self.max_context_len} tokens")
+            raise ValueError(
+                f"chunk of {len(chunk_ids)} tokens (+{len(ctx)} context) exceeds the "
+                f"context window of {self.max_context_len} tokens"
+            )
         ids = torch.tensor(ctx + list(chunk_ids), dtype=torch.long)
         cache = KVCache.allocate(self.ops, total, self.buffers)
         k_buffer = self.buffers.take(cache.k.nbytes, self.ops.device)
         try:
             k_work = typed_view(k_buffer, _rows_shape(cache, total), self.ops.dtype)
-            plan = PrefillPlan(ids, k_work, None, torch.zeros(total, dtype=torch.bool), torch.arange(total))
+            plan = PrefillPlan(
+                ids, k_work, None, torch.zeros(total, dtype=torch.bool), torch.arange(total)
+            )
             out = run_prefill(self.ops, plan, cache)
             # [L, Hkv, len(chunk), d], contiguous copies: the working buffers go back to the pool.
-            return ChunkKV(out.fresh_k[:, :, len(ctx):].clone(), out.fresh_v[:, :, len(ctx):].clone())
+            return ChunkKV(
+                out.fresh_k[:, :, len(ctx) :].clone(), out.fresh_v[:, :, len(ctx) :].clone()
+            )
         finally:
             self.buffers.give(k_buffer)
             cache.release()
@@ -217,15 +261,20 @@ class Engine:
         try:
             seq = self._prefill(request, choice, cache, k_work, t0)
             if setting is not None:
-                seq.stats.fidelity = {"target": setting.target, "expected_agreement": setting.expected_agreement,
-                                      "source": setting.source}
+                seq.stats.fidelity = {
+                    "target": setting.target,
+                    "expected_agreement": setting.expected_agreement,
+                    "source": setting.source,
+                }
                 self._maybe_shadow(request, choice, seq)
         except BaseException:
             cache.release()
             self.buffers.give(k_buffer)
             raise
         if seq.chained is None:
-            self.buffers.give(k_buffer)  # the pre-RoPE K workspace: nothing reads it past the prefill
+            self.buffers.give(
+                k_buffer
+            )  # the pre-RoPE K workspace: nothing reads it past the prefill
         else:  # stored by run_deferred (the scheduler's, once the token is out) or the next start()
             self._pending_stores.append((seq, k_buffer))
         return seq
@@ -243,6 +292,7 @@ class Engine:
                     self.store.put(key, kv)
             finally:
                 self.buffers.give(k_buffer)
+
     def _resolve_choice(self, request: GenerationRequest) -> tuple[PrefillPolicy, Setting | None]:
         """The request's policy completed from BlendConfig; with a fidelity target (the request's, else
         the config's unless the request names a ratio or selection) the controller's setting."""
@@ -256,21 +306,35 @@ class Engine:
         setting = None
         if target is not None and mode in (Mode.BLEND, Mode.REUSE):
             setting = self.fidelity.choose(target)
-            chosen = PrefillPolicy.from_fields(setting.mode, setting.ratio,
-                                               setting.selection or Selection.DEVIATION)  # full: unused
+            chosen = PrefillPolicy.from_fields(
+                setting.mode, setting.ratio, setting.selection or Selection.DEVIATION
+            )  # full: unused
         else:
-            chosen = asked.with_defaults(mode, blend.recompute_ratio, blend.selection, blend.lookahead_layers)
-            if chosen.selection == Selection.AUTO:  # the family's measured best; the request's ratio wins
+            chosen = asked.with_defaults(
+                mode, blend.recompute_ratio, blend.selection, blend.lookahead_layers
+            )
+            if (
+                chosen.selection == Selection.AUTO
+            ):  # the family's measured best; the request's ratio wins
                 kind, family_ratio = FAMILY_DEFAULTS.get(self.loaded.model_type, AUTO_FALLBACK)
-                chosen = replace(chosen, selection=Selection(kind),
-                                 ratio=family_ratio if asked.ratio is None else chosen.ratio)
-        chosen = chosen.with_defaults(mode, blend.recompute_ratio, blend.selection, blend.lookahead_layers)
+                chosen = replace(
+                    chosen,
+                    selection=Selection(kind),
+                    ratio=family_ratio if asked.ratio is None else chosen.ratio,
+                )
+        chosen = chosen.with_defaults(
+            mode, blend.recompute_ratio, blend.selection, blend.lookahead_layers
+        )
         depth = validate_lookahead_layers(chosen.lookahead_layers)
         # A depth of the whole model or more is every layer: one spelling (0), so one chained-key tag.
-        return replace(chosen, lookahead_layers=0 if depth >= self.ops.num_layers else depth), setting
+        return replace(
+            chosen, lookahead_layers=0 if depth >= self.ops.num_layers else depth
+        ), setting
 
     # ---- fidelity: shadow full prefills --------------------------------------------------------
-    def _maybe_shadow(self, request: GenerationRequest, choice: PrefillPolicy, seq: Sequence) -> None:
+    def _maybe_shadow(
+        self, request: GenerationRequest, choice: PrefillPolicy, seq: Sequence
+    ) -> None:
         """Queue one in ``fidelity_shadow_every`` fidelity-chosen blends for a shadow full prefill."""
         every = self.config.blend.fidelity_shadow_every
         if choice.mode != "blend" or every == 0 or seq.first_token_logits is None:
@@ -291,27 +355,40 @@ class Engine:
         if not self._shadow:
             return False
         segs, namespace, choice, blend_top = self._shadow.popleft()
-        full = GenerationRequest(segs, SamplingParams(max_tokens=1), mode="full", namespace=namespace)
+        full = GenerationRequest(
+            segs, SamplingParams(max_tokens=1), mode="full", namespace=namespace
+        )
         seq = self.start(full)
         agreed = int(seq.first_token_logits.argmax()) == blend_top
         self.fidelity.record(choice.selection_label, choice.ratio, agreed)
         seq.cache.release()
         return True
 
-    def _prefill(self, request: GenerationRequest, choice: PrefillPolicy, cache: KVCache, k_work: torch.Tensor,
-                 t0: float) -> Sequence:
+    def _prefill(
+        self,
+        request: GenerationRequest,
+        choice: PrefillPolicy,
+        cache: KVCache,
+        k_work: torch.Tensor,
+        t0: float,
+    ) -> Sequence:
         """Plan, run the layer loop (once more if stored KV fails mid-read), sample the first token.
         k_work [L, Hkv, T, d]: pre-RoPE K of the prompt rows, stored rows loaded into it."""
         segs, num_tokens = request.segments, request.segments.num_tokens
         mode, ratio, selection = choice.mode, choice.ratio, choice.selection
         bad: set[str] = set()  # failed mid-read: recomputed alone, then used exactly as a hit
         while True:
-            stats = PrefillStats(mode=mode, recompute_ratio=ratio if mode == "blend" else (0.0 if mode == "reuse" else 1.0),
-                                 selection=choice.selection_label if mode == "blend" else None,
-                                 prompt_tokens=num_tokens, attention_kernel=self.attention_kernel,
-                                 attention_kernel_reason=self.attention_kernel_reason)
-            plan, stored, to_store, loader = self._plan(segs, choice, request.namespace, stats,
-                                                        cache, k_work, bad)
+            stats = PrefillStats(
+                mode=mode,
+                recompute_ratio=ratio if mode == "blend" else (0.0 if mode == "reuse" else 1.0),
+                selection=choice.selection_label if mode == "blend" else None,
+                prompt_tokens=num_tokens,
+                attention_kernel=self.attention_kernel,
+                attention_kernel_reason=self.attention_kernel_reason,
+            )
+            plan, stored, to_store, loader = self._plan(
+                segs, choice, request.namespace, stats, cache, k_work, bad
+            )
             t_loaded = time.perf_counter()
             try:
                 if selection == "lookahead" and plan.check_layers:
@@ -324,8 +401,11 @@ class Engine:
                     failed = {seg.key for seg in stored if seg.key}
                 if not failed - bad:
                     raise
-                log.warning("stored KV failed while loading (%s); recomputing %d entries", e,
-                            len(failed - bad))
+                log.warning(
+                    "stored KV failed while loading (%s); recomputing %d entries",
+                    e,
+                    len(failed - bad),
+                )
                 bad |= failed
             finally:
                 if loader is not None:
@@ -347,8 +427,16 @@ class Engine:
             seq.pending.append(event)
         return seq
 
-    def _plan(self, segs: Segments, choice: PrefillPolicy, namespace: str, stats: PrefillStats, cache: KVCache,
-              k_work: torch.Tensor, bad: set[str] = frozenset()):
+    def _plan(
+        self,
+        segs: Segments,
+        choice: PrefillPolicy,
+        namespace: str,
+        stats: PrefillStats,
+        cache: KVCache,
+        k_work: torch.Tensor,
+        bad: set[str] = frozenset(),
+    ):
         """Look segments up in the store for ``choice.mode`` and build the layer-loop plan; stored K loads into
         ``k_work`` [L, Hkv, T, d], stored V into the cache.
 
@@ -371,7 +459,7 @@ class Engine:
             stored_v = cache.v[:, :, :num_tokens]  # values load straight into the attention cache
             sources = [(seg.reader, seg.row_start) for seg in stored]
             for seg in stored:
-                stored_mask[seg.row_start:seg.row_start + seg.seq_len] = True
+                stored_mask[seg.row_start : seg.row_start + seg.seq_len] = True
             if self.config.pipeline_loads:  # layer i+1 loads while layer i computes
                 loader = LayerwiseLoader(sources, stored_k, stored_v)
             else:
@@ -382,20 +470,32 @@ class Engine:
             exact = torch.zeros(num_tokens, dtype=torch.bool)
             for seg in stored:
                 if seg.exact:
-                    exact[seg.row_start:seg.row_start + seg.seq_len] = True
+                    exact[seg.row_start : seg.row_start + seg.seq_len] = True
             active = (~exact).nonzero().flatten()
             layers, keep = self._check_schedule(ratio, int((stored_mask & ~exact).sum()))
-            spans = tuple((seg.row_start, seg.row_start + seg.seq_len) for seg in stored if not seg.exact)
+            spans = tuple(
+                (seg.row_start, seg.row_start + seg.seq_len) for seg in stored if not seg.exact
+            )
         else:
             active = (~stored_mask).nonzero().flatten()
             layers, keep, spans = (), (), ()
         if active.numel() == 0 or int(active[-1]) != num_tokens - 1:
             # The last row's logits are the first token: it is always computed.
             active = torch.unique(torch.cat([active, torch.tensor([num_tokens - 1])]))
-        plan = PrefillPlan(ids, stored_k, stored_v, stored_mask, active, check_layers=layers, check_keep=keep,
-                           deviation=self.config.blend.deviation, selection=selection,
-                           chunk_spans=spans, prefix_len=len(segs.prefix_ids),
-                           wait_layer=loader.wait_layer if loader else None)
+        plan = PrefillPlan(
+            ids,
+            stored_k,
+            stored_v,
+            stored_mask,
+            active,
+            check_layers=layers,
+            check_keep=keep,
+            deviation=self.config.blend.deviation,
+            selection=selection,
+            chunk_spans=spans,
+            prefix_len=len(segs.prefix_ids),
+            wait_layer=loader.wait_layer if loader else None,
+        )
         return plan, stored, to_store, loader
 
     def _lookahead(self, plan: PrefillPlan, cache: KVCache, depth: int) -> PrefillPlan:
@@ -410,23 +510,42 @@ class Engine:
         always = torch.unique(torch.cat([active[~is_stored], active[-1:]]))
         candidates = active[is_stored & (active != active[-1])]
         num_keep = plan.check_keep[-1]
-        if 0 < num_keep < candidates.numel():  # else nothing to rank: recompute all candidates or none
-            reuse = replace(plan, active_rows=always, check_layers=(), check_keep=(), record_query_attention=True,
-                            num_layers=depth or None)
+        if (
+            0 < num_keep < candidates.numel()
+        ):  # else nothing to rank: recompute all candidates or none
+            reuse = replace(
+                plan,
+                active_rows=always,
+                check_layers=(),
+                check_keep=(),
+                record_query_attention=True,
+                num_layers=depth or None,
+            )
             received = run_prefill(self.ops, reuse, cache).query_attention  # [T]
-            chosen = candidates[select_top_tokens(received[candidates], num_keep).cpu()]  # plan rows stay on the CPU
+            chosen = candidates[
+                select_top_tokens(received[candidates], num_keep).cpu()
+            ]  # plan rows stay on the CPU
         else:
             chosen = candidates[:num_keep]
-        return replace(plan, active_rows=torch.unique(torch.cat([always, chosen])), check_layers=(), check_keep=())
+        return replace(
+            plan,
+            active_rows=torch.unique(torch.cat([always, chosen])),
+            check_layers=(),
+            check_keep=(),
+        )
 
-    def _check_schedule(self, ratio: float, num_chunk_rows: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def _check_schedule(
+        self, ratio: float, num_chunk_rows: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Check layers and how many chunk rows each keeps. Gradual filtering: the configured ratios,
         with the request's ratio as the last (never above an earlier one)."""
         cfg = self.config.blend
         layers = tuple(l for l in cfg.check_layers if l < self.ops.num_layers)
         if not layers or num_chunk_rows == 0:
             return (), ()
-        ratios = list(cfg.check_ratios[: len(layers)]) if cfg.check_ratios else [ratio] * len(layers)
+        ratios = (
+            list(cfg.check_ratios[: len(layers)]) if cfg.check_ratios else [ratio] * len(layers)
+        )
         ratios[-1] = ratio
         ratios = [max(r, ratio) for r in ratios]  # shrinking schedule ending at the request's ratio
         return layers, tuple(num_to_keep(r, num_chunk_rows) for r in ratios)
@@ -448,8 +567,14 @@ class Engine:
             row += len(seg_ids)
         return stored, to_store
 
-    def _lookup_chunks(self, segs: Segments, namespace: str, stats: PrefillStats, chain_tag: str,
-                       bad: set[str] = frozenset()):
+    def _lookup_chunks(
+        self,
+        segs: Segments,
+        namespace: str,
+        stats: PrefillStats,
+        chain_tag: str,
+        bad: set[str] = frozenset(),
+    ):
         """reuse / blend: the longest run of leading segments stored by an earlier request of the same
         mode and ratio (chained keys: that KV saw exactly these segments before it) is used as is;
         every later chunk comes by its position-independent key, computed alone now if missing (and
@@ -461,8 +586,12 @@ class Engine:
             if kind == "query":
                 break
             chained = chained and (kind == "prefix" or reuse_chain)
-            key = make_prefix_key(self.fingerprint, parent, seg_ids,
-                                  namespace if kind == "prefix" else f"{namespace}|{chain_tag}")
+            key = make_prefix_key(
+                self.fingerprint,
+                parent,
+                seg_ids,
+                namespace if kind == "prefix" else f"{namespace}|{chain_tag}",
+            )
             parent = key
             reader = self._open(key, len(seg_ids), bad) if chained else None
             if reader is not None:
@@ -480,8 +609,14 @@ class Engine:
             row += len(seg_ids)
         return stored, to_store
 
-    def _chunk_segment(self, chunk_ids: list[int], row: int, namespace: str, stats: PrefillStats,
-                       bad: set[str] = frozenset()) -> _StoredSegment | None:
+    def _chunk_segment(
+        self,
+        chunk_ids: list[int],
+        row: int,
+        namespace: str,
+        stats: PrefillStats,
+        bad: set[str] = frozenset(),
+    ) -> _StoredSegment | None:
         """The stored chunk, or None when missing: its rows are then computed in context, like the
         query. A chunk whose entry was damaged is computed alone now (never deferred), so it is used
         exactly as its intact entry would have been: corruption costs time, never another answer."""
@@ -524,21 +659,32 @@ class Engine:
         if reader is None:
             return None
         ops = self.ops
-        if (reader.seq_len, reader.num_layers, reader.kv_heads, reader.head_dim, reader.dtype) != \
-                (num_tokens, ops.num_layers, ops.num_kv_heads, ops.head_dim, ops.dtype):
+        if (reader.seq_len, reader.num_layers, reader.kv_heads, reader.head_dim, reader.dtype) != (
+            num_tokens,
+            ops.num_layers,
+            ops.num_kv_heads,
+            ops.head_dim,
+            ops.dtype,
+        ):
             reader.close()
             return None
         return reader
 
     @staticmethod
-    def _account(stats: PrefillStats, stored: list[_StoredSegment], recomputed_rows: torch.Tensor,
-                 num_tokens: int) -> None:
+    def _account(
+        stats: PrefillStats,
+        stored: list[_StoredSegment],
+        recomputed_rows: torch.Tensor,
+        num_tokens: int,
+    ) -> None:
         hit_mask = torch.zeros(num_tokens, dtype=torch.bool)
         for seg in stored:
             if seg.is_hit:
-                hit_mask[seg.row_start:seg.row_start + seg.seq_len] = True
+                hit_mask[seg.row_start : seg.row_start + seg.seq_len] = True
         num_hit = int(hit_mask.sum())
-        stats.recomputed_tokens = int(hit_mask[recomputed_rows].sum()) if recomputed_rows.numel() else 0
+        stats.recomputed_tokens = (
+            int(hit_mask[recomputed_rows].sum()) if recomputed_rows.numel() else 0
+        )
         stats.reused_tokens = num_hit - stats.recomputed_tokens
         stats.fresh_tokens = num_tokens - num_hit
 
@@ -579,18 +725,25 @@ class Engine:
                 n = lengths[b]
                 s.cache.k[layer, :, n] = k[:, b]
                 s.cache.v[layer, :, n] = v[:, b]
-                outs.append(ops.decode_attend(q[:, b], s.cache.k[layer, :, :n + 1], s.cache.v[layer, :, :n + 1]))
+                outs.append(
+                    ops.decode_attend(
+                        q[:, b], s.cache.k[layer, :, : n + 1], s.cache.v[layer, :, : n + 1]
+                    )
+                )
             h = ops.finish_layer(layer, h, torch.cat(outs))
         for s in batch:
             s.cache.length += 1
         return ops.logits(h)
 
-    def _append_token(self, seq: Sequence, token_id: int,
-                      logits: torch.Tensor) -> TokenEvent | None:
+    def _append_token(
+        self, seq: Sequence, token_id: int, logits: torch.Tensor
+    ) -> TokenEvent | None:
         """Record a token sampled from ``logits`` [vocab]; finish on EOS / stop token / stop string
         / max_tokens."""
         params = seq.request.sampling
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_ids):
+        if token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in self.eos_ids
+        ):
             seq.finished, seq.finish_reason = True, "stop"
             return None
         seq.generated.append(token_id)
@@ -607,7 +760,7 @@ class Engine:
         if not seq.finished and full.endswith("\ufffd"):
             hold = max(hold, 1)  # an incomplete UTF-8 sequence: wait for the next token
         visible = full[: len(full) - hold] if hold else full
-        delta = visible[len(seq.text):] if visible.startswith(seq.text) else ""
+        delta = visible[len(seq.text) :] if visible.startswith(seq.text) else ""
         seq.text += delta
         event = TokenEvent(token_id, delta, len(seq.generated) - 1)
         if params.logprobs is not None:
@@ -647,7 +800,11 @@ def _partial_suffix(text: str, stop: str) -> int:
 
 def _eos_ids(loaded: LoadedModel) -> set[int]:
     ids: set[int] = set()
-    for src in (getattr(loaded.hf_model, "generation_config", None), loaded.hf_model.config, loaded.tokenizer):
+    for src in (
+        getattr(loaded.hf_model, "generation_config", None),
+        loaded.hf_model.config,
+        loaded.tokenizer,
+    ):
         eos = getattr(src, "eos_token_id", None)
         if isinstance(eos, int):
             ids.add(eos)
@@ -678,23 +835,32 @@ def _rows_attention_kernel(cfg, loaded: LoadedModel):
     named = None if cfg.attention_kernel == "auto" else KERNELS_BY_NAME[cfg.attention_kernel]
     error = None
     if cfg.device != "cpu" or not kernels_for(dtype):
-        error = KernelUnavailable(f"the native kernels run bfloat16 or float32 on the CPU (this engine: "
-                                  f"{cfg.dtype} on {cfg.device})", "shape")
+        error = KernelUnavailable(
+            f"the native kernels run bfloat16 or float32 on the CPU (this engine: "
+            f"{cfg.dtype} on {cfg.device})",
+            "shape",
+        )
     elif named is not None and named.dtype != dtype:
-        error = KernelUnavailable(f"it runs {dtype_name(named.dtype)} only (this engine: {cfg.dtype})",
-                                  "shape")
+        error = KernelUnavailable(
+            f"it runs {dtype_name(named.dtype)} only (this engine: {cfg.dtype})", "shape"
+        )
     else:
         try:
-            kernel, passed_over = select_rows_attention(cfg.cache_dir, dtype,
-                                                        None if named is None else named.name, head_dim)
+            kernel, passed_over = select_rows_attention(
+                cfg.cache_dir, dtype, None if named is None else named.name, head_dim
+            )
             if passed_over is None:
                 return kernel, None
-            log.warning("attention uses the %s kernel, not a faster build: %s", kernel.name, passed_over)
+            log.warning(
+                "attention uses the %s kernel, not a faster build: %s", kernel.name, passed_over
+            )
             return kernel, f"{kernel.name}, because {passed_over}"
         except KernelUnavailable as e:
             error = e
     if named is not None:
-        raise ValueError(f"attention_kernel={cfg.attention_kernel}, but that kernel cannot be used: {error}")
+        raise ValueError(
+            f"attention_kernel={cfg.attention_kernel}, but that kernel cannot be used: {error}"
+        )
     level = logging.WARNING if error.is_defect or error.cause == "compiler" else logging.INFO
     log.log(level, "attention uses PyTorch kernels: the native kernel %s", error)
     return None, str(error)

@@ -29,14 +29,24 @@ Source = tuple[KVReader, int]  # (reader of one chunk, first destination row of 
 
 def _check_sources(sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tensor) -> None:
     if k_pre.shape != v.shape or k_pre.dim() != 4:
-        raise ValueError(f"k_pre and v must share one shape [layers, kv_heads, T, d]; got {tuple(k_pre.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"k_pre and v must share one shape [layers, kv_heads, T, d]; got {tuple(k_pre.shape)}, {tuple(v.shape)}"
+        )
     layers, heads, rows, dim = k_pre.shape
     for reader, off in sources:
-        if (reader.num_layers, reader.kv_heads, reader.head_dim) != (layers, heads, dim) or reader.dtype != k_pre.dtype:
-            raise ValueError(f"reader geometry {(reader.num_layers, reader.kv_heads, reader.head_dim, reader.dtype)} "
-                             f"does not match buffers {(layers, heads, dim, k_pre.dtype)}")
+        if (reader.num_layers, reader.kv_heads, reader.head_dim) != (
+            layers,
+            heads,
+            dim,
+        ) or reader.dtype != k_pre.dtype:
+            raise ValueError(
+                f"reader geometry {(reader.num_layers, reader.kv_heads, reader.head_dim, reader.dtype)} "
+                f"does not match buffers {(layers, heads, dim, k_pre.dtype)}"
+            )
         if not 0 <= off <= rows - reader.seq_len:
-            raise ValueError(f"chunk rows [{off}, {off + reader.seq_len}) outside the buffer's {rows} rows")
+            raise ValueError(
+                f"chunk rows [{off}, {off + reader.seq_len}) outside the buffer's {rows} rows"
+            )
 
 
 def load_layer(sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tensor, layer: int) -> None:
@@ -87,8 +97,16 @@ class LayerwiseLoader:
     One thread copies at about single-core memcpy speed; two reach about what a two-core memcpy does.
     """
 
-    def __init__(self, sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tensor, *,
-                 start: bool = True, close_readers: bool = False, num_threads: int = 2):
+    def __init__(
+        self,
+        sources: Sequence[Source],
+        k_pre: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        start: bool = True,
+        close_readers: bool = False,
+        num_threads: int = 2,
+    ):
         _check_sources(sources, k_pre, v)
         self.sources, self.k_pre, self.v = list(sources), k_pre, v
         self.num_layers = k_pre.shape[0]
@@ -101,8 +119,12 @@ class LayerwiseLoader:
         shares = [self.sources[i::num_threads] for i in range(num_threads)]  # one thread per reader
         self._lock = threading.Lock()
         self._pending = [len(shares)] * self.num_layers  # threads still copying each layer
-        self._threads = [threading.Thread(target=self._run, args=(share,), name=f"kvblend-kv-loader-{i}", daemon=True)
-                         for i, share in enumerate(shares)]
+        self._threads = [
+            threading.Thread(
+                target=self._run, args=(share,), name=f"kvblend-kv-loader-{i}", daemon=True
+            )
+            for i, share in enumerate(shares)
+        ]
         if start:
             self.start()
 

@@ -19,7 +19,6 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and the top k
 
-
     def __post_init__(self):
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
@@ -53,11 +52,15 @@ class GenerationRequest:
         fields = (mode, recompute_ratio, selection, lookahead_layers)
         if any(f is not None for f in fields):
             given = PrefillPolicy.from_fields(*fields)
-            self.policy = replace(given, mode=given.mode or self.policy.mode,
-                                  ratio=self.policy.ratio if given.ratio is None else given.ratio,
-                                  selection=given.selection or self.policy.selection,
-                                  lookahead_layers=self.policy.lookahead_layers
-                                  if given.lookahead_layers is None else given.lookahead_layers)
+            self.policy = replace(
+                given,
+                mode=given.mode or self.policy.mode,
+                ratio=self.policy.ratio if given.ratio is None else given.ratio,
+                selection=given.selection or self.policy.selection,
+                lookahead_layers=self.policy.lookahead_layers
+                if given.lookahead_layers is None
+                else given.lookahead_layers,
+            )
 
 
 @dataclass
@@ -72,7 +75,9 @@ class PrefillStats:
 
     mode: str
     recompute_ratio: float
-    selection: str | None = None  # blend's token selection ("lookahead:8": its depth); None for other modes
+    selection: str | None = (
+        None  # blend's token selection ("lookahead:8": its depth); None for other modes
+    )
     prompt_tokens: int = 0
     reused_tokens: int = 0  # loaded from the store and used as is
     recomputed_tokens: int = 0  # loaded, then selected and recomputed past the check layer
@@ -83,7 +88,9 @@ class PrefillStats:
     load_ms: float = 0.0  # fetching + assembling stored KV
     compute_ms: float = 0.0
     attention_kernel: str = ""  # the engine's attention: "amx", "avx512bf16", "avx2" or "torch"
-    attention_kernel_reason: str | None = None  # why not this CPU's best native build; None when it is
+    attention_kernel_reason: str | None = (
+        None  # why not this CPU's best native build; None when it is
+    )
     # Set when a fidelity target chose the setting: the target, the agreement the choice expects
     # (calibration + shadow prefills) and where the choice came from ("calibration", "fallback: ...").
     fidelity: dict | None = None
@@ -94,14 +101,21 @@ class PrefillStats:
 
     def as_dict(self) -> dict:
         return {
-            "mode": self.mode, "recompute_ratio": self.recompute_ratio, "selection": self.selection,
+            "mode": self.mode,
+            "recompute_ratio": self.recompute_ratio,
+            "selection": self.selection,
             "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens, "reused_tokens": self.reused_tokens,
-            "recomputed_tokens": self.recomputed_tokens, "fresh_tokens": self.fresh_tokens,
-            "chunks_hit": self.chunks_hit, "chunks_total": self.chunks_total,
-            "ttft_ms": round(self.ttft_ms, 3), "load_ms": round(self.load_ms, 3),
+            "cached_tokens": self.cached_tokens,
+            "reused_tokens": self.reused_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "fresh_tokens": self.fresh_tokens,
+            "chunks_hit": self.chunks_hit,
+            "chunks_total": self.chunks_total,
+            "ttft_ms": round(self.ttft_ms, 3),
+            "load_ms": round(self.load_ms, 3),
             "compute_ms": round(self.compute_ms, 3),
-            "attention_kernel": self.attention_kernel, "attention_kernel_reason": self.attention_kernel_reason,
+            "attention_kernel": self.attention_kernel,
+            "attention_kernel_reason": self.attention_kernel_reason,
             **({"fidelity": self.fidelity} if self.fidelity is not None else {}),
         }
 

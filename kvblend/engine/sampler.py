@@ -11,7 +11,9 @@ def create_generator(params: SamplingParams) -> torch.Generator | None:
     if params.temperature == 0:
         return None
     gen = torch.Generator()
-    gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    gen.manual_seed(
+        params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+    )
     return gen
 
 
@@ -29,8 +31,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def token_logprobs(logits: torch.Tensor, token_id: int,
-                   top_k: int) -> tuple[float, list[tuple[int, float]]]:
+def token_logprobs(
+    logits: torch.Tensor, token_id: int, top_k: int
+) -> tuple[float, list[tuple[int, float]]]:
     """logits [vocab] -> (logprob of ``token_id``, the ``top_k`` most likely [(id, logprob)])."""
     logp = torch.log_softmax(logits.float().cpu(), dim=-1)
     top: list[tuple[int, float]] = []

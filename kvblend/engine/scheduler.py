@@ -51,7 +51,9 @@ Sink = Callable[[Event], None]
 
 class QueueFullError(RuntimeError):
     def __init__(self, depth: int, retry_after_s: int):
-        super().__init__(f"the request queue is full ({depth} waiting); retry after {retry_after_s}s")
+        super().__init__(
+            f"the request queue is full ({depth} waiting); retry after {retry_after_s}s"
+        )
         self.depth = depth
         self.retry_after_s = retry_after_s
 
@@ -86,7 +88,14 @@ class _Call:
 
 
 class Scheduler:
-    def __init__(self, engine, max_queue: int = 64, max_batch: int = 8, retry_after_s: int = 1, name: str = "engine"):
+    def __init__(
+        self,
+        engine,
+        max_queue: int = 64,
+        max_batch: int = 8,
+        retry_after_s: int = 1,
+        name: str = "engine",
+    ):
         self.engine = engine
         self.max_queue = max_queue
         self.max_batch = max_batch
@@ -103,7 +112,9 @@ class Scheduler:
     # --- caller side (any thread) --------------------------------------------------------------
 
     def start(self) -> "Scheduler":
-        self._thread = threading.Thread(target=self._run, name=f"kvblend-worker-{self.name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvblend-worker-{self.name}", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -152,8 +163,12 @@ class Scheduler:
         try:
             while True:
                 with self._cond:
-                    while not self._stopping and not self._pending and not self._active \
-                            and not self._has_deferred():
+                    while (
+                        not self._stopping
+                        and not self._pending
+                        and not self._active
+                        and not self._has_deferred()
+                    ):
                         if self._has_shadow():
                             break
                         self._cond.wait()
@@ -166,7 +181,9 @@ class Scheduler:
                 self._admit()
                 self._step()
                 self._run_deferred()  # what prefills left: a slice a turn while others decode
-        except BaseException as e:  # a bug in the engine loop: fail everyone loudly, not silently hang
+        except (
+            BaseException
+        ) as e:  # a bug in the engine loop: fail everyone loudly, not silently hang
             log.exception("scheduler %s died", self.name)
             self._fail_all(e)
             raise
@@ -226,7 +243,9 @@ class Scheduler:
         try:
             req = handle.build(self.engine) if callable(handle.build) else handle.build
             seq = self.engine.start(req)
-        except Exception as e:  # bad input (ValueError, ContextLengthError) or an engine bug: this request only
+        except (
+            Exception
+        ) as e:  # bad input (ValueError, ContextLengthError) or an engine bug: this request only
             _emit(handle, Failed(e))
             return
         _emit(handle, Started(seq.stats))
@@ -289,5 +308,7 @@ def _done(seq) -> bool:
 def _emit(handle: Handle, event: Event) -> None:
     try:
         handle.sink(event)
-    except Exception:  # e.g. the consumer's event loop is closed; the worker must keep serving others
+    except (
+        Exception
+    ):  # e.g. the consumer's event loop is closed; the worker must keep serving others
         log.debug("dropping an event for a gone consumer", exc_info=True)

@@ -67,14 +67,37 @@ _AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx51
 _AVX512_CPU = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16")
 # Most preferred first within a dtype.
 KERNEL_SPECS = (
-    KernelSpec("amx", "rows_attention.c",
-               ("-O3", "-mtune=sapphirerapids", *_AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-fPIC", "-shared",
-                "-pthread"),
-               (*_AVX512_CPU, "amx_tile", "amx_bf16"), torch.bfloat16, "kvb_amx_init"),
-    KernelSpec("avx512bf16", "rows_attention.c",
-               ("-O3", *_AVX512_FLAGS, "-DKVB_NO_AMX", "-fPIC", "-shared", "-pthread"), _AVX512_CPU, torch.bfloat16),
-    KernelSpec("avx2", "rows_attention_f32.c", ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread"),
-               ("avx2", "fma"), torch.float32),
+    KernelSpec(
+        "amx",
+        "rows_attention.c",
+        (
+            "-O3",
+            "-mtune=sapphirerapids",
+            *_AVX512_FLAGS,
+            "-mamx-tile",
+            "-mamx-bf16",
+            "-fPIC",
+            "-shared",
+            "-pthread",
+        ),
+        (*_AVX512_CPU, "amx_tile", "amx_bf16"),
+        torch.bfloat16,
+        "kvb_amx_init",
+    ),
+    KernelSpec(
+        "avx512bf16",
+        "rows_attention.c",
+        ("-O3", *_AVX512_FLAGS, "-DKVB_NO_AMX", "-fPIC", "-shared", "-pthread"),
+        _AVX512_CPU,
+        torch.bfloat16,
+    ),
+    KernelSpec(
+        "avx2",
+        "rows_attention_f32.c",
+        ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread"),
+        ("avx2", "fma"),
+        torch.float32,
+    ),
 )
 KERNELS_BY_NAME = {spec.name: spec for spec in KERNEL_SPECS}
 # The self-check's exit status for "the kernel ran and gave wrong numbers" (selfcheck.py); any other
@@ -131,10 +154,20 @@ class RowsAttention:
     def scratch_bytes(self, num_keys: int, num_kv_heads: int) -> int:
         return int(self.lib.kvb_rows_attention_scratch_bytes(num_keys, num_kv_heads))
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rot: torch.Tensor | None,
-                 rope_half: tuple[torch.Tensor, torch.Tensor] | None, positions: torch.Tensor,
-                 scale: float, out: torch.Tensor, scratch: torch.Tensor, num_threads: int,
-                 key_mass: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_rot: torch.Tensor | None,
+        rope_half: tuple[torch.Tensor, torch.Tensor] | None,
+        positions: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        scratch: torch.Tensor,
+        num_threads: int,
+        key_mass: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attention of rows at sorted ``positions`` [A] (int64) over keys [0, num_keys).
 
         q [A, Hq, d] pre-RoPE (rows may be strided, heads dense); k, v [Hkv, num_keys, d] (k pre-RoPE);
@@ -151,35 +184,78 @@ class RowsAttention:
                 self._check_tensor(t, name)
         if out.stride(-1) != 1 or out.shape != (num_rows, num_heads * d):
             raise ValueError(f"out must be [{num_rows}, {num_heads * d}] with dense rows")
-        if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.numel() != num_rows:
-            raise ValueError("positions must be a contiguous int64 tensor with one entry per query row")
-        if num_rows and (int(positions[-1]) >= num_keys or int(positions[0]) < 0 or
-                         bool((positions[1:] < positions[:-1]).any())):
+        if (
+            positions.dtype != torch.int64
+            or not positions.is_contiguous()
+            or positions.numel() != num_rows
+        ):
+            raise ValueError(
+                "positions must be a contiguous int64 tensor with one entry per query row"
+            )
+        if num_rows and (
+            int(positions[-1]) >= num_keys
+            or int(positions[0]) < 0
+            or bool((positions[1:] < positions[:-1]).any())
+        ):
             raise ValueError(f"positions must be ascending within [0, {num_keys}) (the keys given)")
         cos = sin = None
         if rope_half is not None:
             cos, sin = rope_half
-            if cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous() or \
-                    cos.shape[0] < num_keys or cos.shape[1] != d // 2:
+            if (
+                cos.dtype != torch.float32
+                or not cos.is_contiguous()
+                or not sin.is_contiguous()
+                or cos.shape[0] < num_keys
+                or cos.shape[1] != d // 2
+            ):
                 raise ValueError("rope tables must be contiguous fp32 [>= num_keys, head_dim / 2]")
-        args = (q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                None if k_rot is None else k_rot.data_ptr(), 0 if k_rot is None else k_rot.stride(0),
-                None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
-                positions.data_ptr(), num_rows, num_keys, num_kv_heads, num_heads // num_kv_heads, d, scale,
-                out.data_ptr(), out.stride(0), scratch.data_ptr(), scratch.numel(), max(1, num_threads))
+        args = (
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            None if k_rot is None else k_rot.data_ptr(),
+            0 if k_rot is None else k_rot.stride(0),
+            None if cos is None else cos.data_ptr(),
+            None if sin is None else sin.data_ptr(),
+            positions.data_ptr(),
+            num_rows,
+            num_keys,
+            num_kv_heads,
+            num_heads // num_kv_heads,
+            d,
+            scale,
+            out.data_ptr(),
+            out.stride(0),
+            scratch.data_ptr(),
+            scratch.numel(),
+            max(1, num_threads),
+        )
         if key_mass is None:
             rc = self.lib.kvb_rows_attention(*args)
         else:
             if not self.has_key_mass:
-                raise ValueError(f"the {self.name} kernel does not sum key mass (has_key_mass is False)")
-            if key_mass.dtype != torch.float32 or key_mass.device.type != "cpu" or not key_mass.is_contiguous() \
-                    or key_mass.shape != (num_keys,):
-                raise ValueError(f"key_mass must be a contiguous float32 CPU tensor [{num_keys}] (one entry per key), "
-                                 f"got {key_mass.dtype} {tuple(key_mass.shape)} on {key_mass.device}")
+                raise ValueError(
+                    f"the {self.name} kernel does not sum key mass (has_key_mass is False)"
+                )
+            if (
+                key_mass.dtype != torch.float32
+                or key_mass.device.type != "cpu"
+                or not key_mass.is_contiguous()
+                or key_mass.shape != (num_keys,)
+            ):
+                raise ValueError(
+                    f"key_mass must be a contiguous float32 CPU tensor [{num_keys}] (one entry per key), "
+                    f"got {key_mass.dtype} {tuple(key_mass.shape)} on {key_mass.device}"
+                )
             rc = self.lib.kvb_rows_attention_mass(*args, key_mass.data_ptr())
         if rc != 0:
-            raise ValueError(f"rows attention rejected its arguments (rc={rc}): rows={num_rows}, "
-                             f"keys={num_keys}, heads={num_heads}/{num_kv_heads}, head_dim={d}")
+            raise ValueError(
+                f"rows attention rejected its arguments (rc={rc}): rows={num_rows}, "
+                f"keys={num_keys}, heads={num_heads}/{num_kv_heads}, head_dim={d}"
+            )
         return out
 
     @property
@@ -192,7 +268,9 @@ class RowsAttention:
         """Whether this build also projects rows (``linear``): the AMX build does (amx_linear.h)."""
         return hasattr(self.lib, "kvb_linear")
 
-    def pack_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "PackedLinear | None":
+    def pack_linear(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> "PackedLinear | None":
         """``weight`` [N, K] (and bias [N]) in the layout ``linear`` reads, or None for a shape the kernel
         does not take (N and K must be multiples of 32) or a build without it."""
         num_out, num_in = weight.shape
@@ -202,31 +280,54 @@ class RowsAttention:
         packed = torch.empty(num_out * num_in, dtype=self.dtype)
         if self.lib.kvb_linear_pack(w.data_ptr(), num_out, num_in, packed.data_ptr()) != 0:
             return None
-        return PackedLinear(packed, num_out, num_in, None if bias is None else bias.detach().float().contiguous())
+        return PackedLinear(
+            packed, num_out, num_in, None if bias is None else bias.detach().float().contiguous()
+        )
 
-    def linear(self, x: torch.Tensor, weight: "PackedLinear", num_threads: int,
-               residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: "PackedLinear",
+        num_threads: int,
+        residual: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x [M, K] (dense rows) @ W^T + bias -> [M, N], fp32 accumulation, rounded once to bf16; with
         ``residual`` [M, N], residual + that (rounded again, as a separate add). Written into ``out``
         ([M, N], dense rows) when given, else a new tensor."""
         if x.dtype != self.dtype or x.device.type != "cpu":
-            raise ValueError(f"x must be a {dtype_name(self.dtype)} CPU tensor, got {x.dtype} on {x.device}")
+            raise ValueError(
+                f"x must be a {dtype_name(self.dtype)} CPU tensor, got {x.dtype} on {x.device}"
+            )
         if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != weight.num_in:
-            raise ValueError(f"x must be [M, {weight.num_in}] with dense rows, got {tuple(x.shape)}")
+            raise ValueError(
+                f"x must be [M, {weight.num_in}] with dense rows, got {tuple(x.shape)}"
+            )
         if out is None:
             out = torch.empty(x.shape[0], weight.num_out, dtype=x.dtype)
         self._check_rows(out, "out", weight.num_out, x.shape[0])
         if residual is not None:
             self._check_rows(residual, "residual", weight.num_out, x.shape[0])
         bias = weight.bias
-        rc = self.lib.kvb_linear(x.data_ptr(), x.stride(0), x.shape[0], weight.num_in, weight.packed.data_ptr(),
-                                 weight.num_out, None if bias is None else bias.data_ptr(),
-                                 None if residual is None else residual.data_ptr(),
-                                 0 if residual is None else residual.stride(0), out.data_ptr(), out.stride(0),
-                                 max(1, num_threads))
+        rc = self.lib.kvb_linear(
+            x.data_ptr(),
+            x.stride(0),
+            x.shape[0],
+            weight.num_in,
+            weight.packed.data_ptr(),
+            weight.num_out,
+            None if bias is None else bias.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            0 if residual is None else residual.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            max(1, num_threads),
+        )
         if rc != 0:
-            raise ValueError(f"the linear kernel rejected [{x.shape[0]}, {weight.num_in}] x [{weight.num_out}, "
-                             f"{weight.num_in}]^T (rc={rc})")
+            raise ValueError(
+                f"the linear kernel rejected [{x.shape[0]}, {weight.num_in}] x [{weight.num_out}, "
+                f"{weight.num_in}]^T (rc={rc})"
+            )
         return out
 
     @property
@@ -235,8 +336,9 @@ class RowsAttention:
         both bf16 builds do (decode_attention.h)."""
         return hasattr(self.lib, "kvb_decode_attention")
 
-    def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                         num_threads: int) -> torch.Tensor:
+    def decode_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, num_threads: int
+    ) -> torch.Tensor:
         """One query row over keys [0, n): q [Hq, d] rotated (heads may be strided, each dense), k, v
         [Hkv, n, d] with k rotated (dense rows; heads may be strided) -> [1, Hq * d]."""
         num_heads, d = q.shape
@@ -245,15 +347,31 @@ class RowsAttention:
         for t, name in ((q, "q"), (k, "k"), (v, "v")):
             self._check_tensor(t, name, dense_rows=name != "q")
         if q.stride(-1) != 1 or v.shape != k.shape or k.shape[2] != d or num_heads % num_kv_heads:
-            raise ValueError(f"decode_attention needs q [Hq, d] with dense rows and k, v [Hkv, n, d] alike "
-                             f"(Hq a multiple of Hkv); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+            raise ValueError(
+                f"decode_attention needs q [Hq, d] with dense rows and k, v [Hkv, n, d] alike "
+                f"(Hq a multiple of Hkv); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            )
         out = torch.empty(1, num_heads * d, dtype=q.dtype)
-        rc = self.lib.kvb_decode_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-                                           v.stride(0), num_keys, num_kv_heads, num_heads // num_kv_heads, d, scale,
-                                           out.data_ptr(), max(1, num_threads))
+        rc = self.lib.kvb_decode_attention(
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            num_keys,
+            num_kv_heads,
+            num_heads // num_kv_heads,
+            d,
+            scale,
+            out.data_ptr(),
+            max(1, num_threads),
+        )
         if rc != 0:
-            raise ValueError(f"decode_attention rejected keys={num_keys}, heads={num_heads}/{num_kv_heads}, "
-                             f"head_dim={d} (rc={rc})")
+            raise ValueError(
+                f"decode_attention rejected keys={num_keys}, heads={num_heads}/{num_kv_heads}, "
+                f"head_dim={d} (rc={rc})"
+            )
         return out
 
     @property
@@ -262,8 +380,14 @@ class RowsAttention:
         builds do."""
         return hasattr(self.lib, "kvb_rms_norm")
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, num_threads: int,
-                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        num_threads: int,
+        delta: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """RMSNorm(x) * weight for x [S, D] -> (out [S, D], None); with ``delta`` [S, D] the residual add
         first: (RMSNorm(x + delta) * weight, x + delta). Rounded as the HF module rounds (rows_elementwise.h)."""
         rows, dim = x.shape
@@ -274,11 +398,25 @@ class RowsAttention:
         if delta is not None:
             self._check_rows(delta, "delta", dim, rows)
             total = torch.empty(rows, dim, dtype=x.dtype)
-        rc = self.lib.kvb_rms_norm(x.data_ptr(), x.stride(0), None if delta is None else delta.data_ptr(),
-                                   0 if delta is None else delta.stride(0), None if total is None else total.data_ptr(),
-                                   dim, weight.data_ptr(), eps, out.data_ptr(), dim, rows, dim, max(1, num_threads))
+        rc = self.lib.kvb_rms_norm(
+            x.data_ptr(),
+            x.stride(0),
+            None if delta is None else delta.data_ptr(),
+            0 if delta is None else delta.stride(0),
+            None if total is None else total.data_ptr(),
+            dim,
+            weight.data_ptr(),
+            eps,
+            out.data_ptr(),
+            dim,
+            rows,
+            dim,
+            max(1, num_threads),
+        )
         if rc != 0:
-            raise ValueError(f"rms_norm rejected [{rows}, {dim}] (rc={rc}; dim must be a multiple of 16)")
+            raise ValueError(
+                f"rms_norm rejected [{rows}, {dim}] (rc={rc}; dim must be a multiple of 16)"
+            )
         return out, total
 
     def silu_mul(self, gate_up: torch.Tensor, num_threads: int) -> torch.Tensor:
@@ -286,10 +424,19 @@ class RowsAttention:
         rows, width = gate_up.shape
         self._check_rows(gate_up, "gate_up", width)
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-        rc = self.lib.kvb_silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width // 2, rows,
-                                   width // 2, max(1, num_threads))
+        rc = self.lib.kvb_silu_mul(
+            gate_up.data_ptr(),
+            gate_up.stride(0),
+            out.data_ptr(),
+            width // 2,
+            rows,
+            width // 2,
+            max(1, num_threads),
+        )
         if rc != 0:
-            raise ValueError(f"silu_mul rejected [{rows}, {width}] (rc={rc}; half the width must be a multiple of 16)")
+            raise ValueError(
+                f"silu_mul rejected [{rows}, {width}] (rc={rc}; half the width must be a multiple of 16)"
+            )
         return out
 
     def scatter_rows(self, dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
@@ -297,36 +444,71 @@ class RowsAttention:
         [H, A, d] (rows and heads may be strided, each row dense); rows: [A] int64, contiguous."""
         num_heads, num_dst, width = dst.shape
         dense_dst = dst.stride(2) == 1 and (num_dst == 1 or dst.stride(1) == width)
-        if dst.dtype != self.dtype or src.dtype != self.dtype or not dense_dst or src.stride(-1) != 1 or \
-                src.shape != (num_heads, rows.numel(), width) or rows.dtype != torch.int64 or not rows.is_contiguous():
-            raise ValueError(f"scatter_rows needs dst [H, T, d] with dense rows, src [H, A, d] with dense rows and "
-                             f"int64 rows [A] ({self.dtype}); got {tuple(dst.shape)}, {tuple(src.shape)}")
-        rc = self.lib.kvb_scatter_rows(src.data_ptr(), src.stride(0), src.stride(1), rows.data_ptr(), rows.numel(),
-                                       num_heads, width, dst.data_ptr(), dst.stride(0), num_dst)
+        if (
+            dst.dtype != self.dtype
+            or src.dtype != self.dtype
+            or not dense_dst
+            or src.stride(-1) != 1
+            or src.shape != (num_heads, rows.numel(), width)
+            or rows.dtype != torch.int64
+            or not rows.is_contiguous()
+        ):
+            raise ValueError(
+                f"scatter_rows needs dst [H, T, d] with dense rows, src [H, A, d] with dense rows and "
+                f"int64 rows [A] ({self.dtype}); got {tuple(dst.shape)}, {tuple(src.shape)}"
+            )
+        rc = self.lib.kvb_scatter_rows(
+            src.data_ptr(),
+            src.stride(0),
+            src.stride(1),
+            rows.data_ptr(),
+            rows.numel(),
+            num_heads,
+            width,
+            dst.data_ptr(),
+            dst.stride(0),
+            num_dst,
+        )
         if rc != 0:
             raise ValueError(f"scatter_rows: a row is outside [0, {num_dst})")
 
-    def _check_rows(self, t: torch.Tensor, name: str, width: int, num_rows: int | None = None) -> None:
+    def _check_rows(
+        self, t: torch.Tensor, name: str, width: int, num_rows: int | None = None
+    ) -> None:
         """t must be [rows, width] of the kernel's dtype on the CPU with dense rows; with ``num_rows``, as
         many rows as x (the call's input)."""
-        if t.dtype != self.dtype or t.device.type != "cpu" or t.dim() != 2 or t.shape[1] != width or \
-                t.stride(1) != 1 or (t.shape[0] > 1 and t.stride(0) < width):
-            raise ValueError(f"{name} must be a {dtype_name(self.dtype)} CPU tensor [rows, {width}] with dense rows, "
-                             f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
+        if (
+            t.dtype != self.dtype
+            or t.device.type != "cpu"
+            or t.dim() != 2
+            or t.shape[1] != width
+            or t.stride(1) != 1
+            or (t.shape[0] > 1 and t.stride(0) < width)
+        ):
+            raise ValueError(
+                f"{name} must be a {dtype_name(self.dtype)} CPU tensor [rows, {width}] with dense rows, "
+                f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}"
+            )
         if num_rows is not None and t.shape[0] != num_rows:
             raise ValueError(f"{name} has {t.shape[0]} rows, x {num_rows}")
 
     def _check_head_dim(self, d: int) -> None:
         if d != self.head_dim:
-            raise ValueError(f"this {self.name} build attends head_dim {self.head_dim}, got {d} "
-                             f"(load_rows_attention(..., head_dim={d}) builds that one)")
+            raise ValueError(
+                f"this {self.name} build attends head_dim {self.head_dim}, got {d} "
+                f"(load_rows_attention(..., head_dim={d}) builds that one)"
+            )
 
     def _check_tensor(self, t: torch.Tensor, name: str, dense_rows: bool = True) -> None:
         if t.dtype != self.dtype or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a {dtype_name(self.dtype)} CPU tensor "
-                             f"(the {self.name} kernel), got {t.dtype} on {t.device}")
+            raise ValueError(
+                f"{name} must be a {dtype_name(self.dtype)} CPU tensor "
+                f"(the {self.name} kernel), got {t.dtype} on {t.device}"
+            )
         if name != "out" and dense_rows and (t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]):
-            raise ValueError(f"{name} needs contiguous [*, rows, head_dim] rows, got strides {t.stride()}")
+            raise ValueError(
+                f"{name} needs contiguous [*, rows, head_dim] rows, got strides {t.stride()}"
+            )
 
 
 @dataclass(frozen=True)
@@ -342,20 +524,30 @@ class PackedLinear:
         """Output columns [start, end) (multiples of 32) as a weight of their own, a view: the packing is
         column block by column block (a fused q/k/v weight's parts)."""
         if not (0 <= start < end <= self.num_out) or start % 32 or end % 32:
-            raise ValueError(f"columns [{start}, {end}) must be multiples of 32 within [0, {self.num_out}]")
+            raise ValueError(
+                f"columns [{start}, {end}) must be multiples of 32 within [0, {self.num_out}]"
+            )
         if (start, end) == (0, self.num_out):
             return self
         per_column = self.num_in  # packed elements per output column
-        return PackedLinear(self.packed[start * per_column:end * per_column], end - start, self.num_in,
-                            None if self.bias is None else self.bias[start:end])
+        return PackedLinear(
+            self.packed[start * per_column : end * per_column],
+            end - start,
+            self.num_in,
+            None if self.bias is None else self.bias[start:end],
+        )
 
 
 _lock = threading.Lock()
 _loaded: dict[tuple[Path, str, int], RowsAttention | KernelUnavailable] = {}
 
 
-def load_rows_attention(cache_dir: Path, dtype: torch.dtype = torch.bfloat16, name: str | None = None,
-                        head_dim: int = HEAD_DIM) -> RowsAttention:
+def load_rows_attention(
+    cache_dir: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    name: str | None = None,
+    head_dim: int = HEAD_DIM,
+) -> RowsAttention:
     """The compiled kernel for ``dtype`` (bfloat16: AMX, else AVX512-BF16; float32: AVX2) and ``head_dim``,
     or the build ``name``, built once per source/flags/compiler into ``cache_dir``/kernels, or
     ``KernelUnavailable`` with the reason. Builds are tried most preferred first, so an AMX build that fails
@@ -364,8 +556,12 @@ def load_rows_attention(cache_dir: Path, dtype: torch.dtype = torch.bfloat16, na
     return select_rows_attention(cache_dir, dtype, name, head_dim)[0]
 
 
-def select_rows_attention(cache_dir: Path, dtype: torch.dtype = torch.bfloat16, name: str | None = None,
-                          head_dim: int = HEAD_DIM) -> tuple[RowsAttention, KernelUnavailable | None]:
+def select_rows_attention(
+    cache_dir: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    name: str | None = None,
+    head_dim: int = HEAD_DIM,
+) -> tuple[RowsAttention, KernelUnavailable | None]:
     """As ``load_rows_attention``, and why a more preferred build was passed over: the first such build's
     ``KernelUnavailable`` when it is a defect (it failed to build or its self-check), else None (the kernel
     is this CPU's best, or the better builds need features this CPU lacks)."""
@@ -374,11 +570,14 @@ def select_rows_attention(cache_dir: Path, dtype: torch.dtype = torch.bfloat16, 
         specs = tuple(spec for spec in specs if spec.name == name)
     if not specs:
         which = f"the {name} kernel does not run" if name else "no native kernel runs"
-        raise KernelUnavailable(f"{which} {dtype_name(dtype)} (amx and avx512bf16 run bfloat16, avx2 float32)",
-                                "shape")
+        raise KernelUnavailable(
+            f"{which} {dtype_name(dtype)} (amx and avx512bf16 run bfloat16, avx2 float32)", "shape"
+        )
     if head_dim not in HEAD_DIMS:
-        raise KernelUnavailable(f"it handles head_dim {' or '.join(map(str, HEAD_DIMS))} only (this model: "
-                                f"{head_dim})", "shape")
+        raise KernelUnavailable(
+            f"it handles head_dim {' or '.join(map(str, HEAD_DIMS))} only (this model: {head_dim})",
+            "shape",
+        )
     first_error = passed_over = None
     for spec in specs:
         try:
@@ -431,10 +630,14 @@ def _build_and_load(spec: KernelSpec, out_dir: Path, head_dim: int = HEAD_DIM) -
     flags = cpu_flags()
     missing = [f for f in spec.cpu_flags if f not in flags]
     if missing:
-        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)} (needed by the {spec.name} kernel)", "cpu")
+        raise KernelUnavailable(
+            f"this CPU lacks {', '.join(missing)} (needed by the {spec.name} kernel)", "cpu"
+        )
     cc = shutil.which(env.read("CC")) or shutil.which("cc")
     if cc is None:
-        raise KernelUnavailable(f"no C compiler (gcc) on PATH to build the {spec.name} kernel", "compiler")
+        raise KernelUnavailable(
+            f"no C compiler (gcc) on PATH to build the {spec.name} kernel", "compiler"
+        )
     path = build_path(spec, out_dir, head_dim, cc)
     failed = path.with_suffix(".failed")  # a build that failed its self-check is not retried
     if failed.is_file():
@@ -451,29 +654,46 @@ def build_path(spec: KernelSpec, out_dir: Path, head_dim: int, cc: str) -> Path:
     source_path = Path(__file__).with_name(spec.source)
     headers = sorted(source_path.parent.glob("*.h"))  # what it includes is part of what is built
     source = source_path.read_bytes() + b"".join(h.read_bytes() for h in headers)
-    key = b"\0".join([source, " ".join(build_flags(spec, head_dim)).encode(), cc.encode(),
-                       compiler_version(cc).encode()])
+    key = b"\0".join(
+        [
+            source,
+            " ".join(build_flags(spec, head_dim)).encode(),
+            cc.encode(),
+            compiler_version(cc).encode(),
+        ]
+    )
     return out_dir / f"{spec.name}-d{head_dim}-{hashlib.sha256(key).hexdigest()[:16]}.so"
 
 
-def _build_checked(spec: KernelSpec, cc: str, source_path: Path, path: Path, failed: Path,
-                   head_dim: int = HEAD_DIM) -> None:
+def _build_checked(
+    spec: KernelSpec, cc: str, source_path: Path, path: Path, failed: Path, head_dim: int = HEAD_DIM
+) -> None:
     """Compile into a temp file, self-check it in a subprocess, then move it into place atomically
     (concurrent builders race harmlessly). A failed self-check is recorded in ``failed``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *build_flags(spec, head_dim), str(source_path), "-o", tmp, "-lm"],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [cc, *build_flags(spec, head_dim), str(source_path), "-o", tmp, "-lm"],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
-            raise KernelUnavailable(f"building the {spec.name} kernel (head_dim {head_dim}) with "
-                                    f"{compiler_version(cc)} failed: {proc.stderr.strip()[-500:]}", "build")
+            raise KernelUnavailable(
+                f"building the {spec.name} kernel (head_dim {head_dim}) with "
+                f"{compiler_version(cc)} failed: {proc.stderr.strip()[-500:]}",
+                "build",
+            )
         problem, about_the_build = _self_check(tmp, spec, head_dim)
         if problem is not None:
-            reason = (f"the {spec.name} kernel (head_dim {head_dim}) built by {cc} ({compiler_version(cc)}) "
-                      f"failed its self-check: {problem}")
-            if about_the_build:  # a crash or wrong numbers: not retried; anything else is, next process
+            reason = (
+                f"the {spec.name} kernel (head_dim {head_dim}) built by {cc} ({compiler_version(cc)}) "
+                f"failed its self-check: {problem}"
+            )
+            if (
+                about_the_build
+            ):  # a crash or wrong numbers: not retried; anything else is, next process
                 failed.write_text(reason + "\n")
             raise KernelUnavailable(reason, "selfcheck")
         os.replace(tmp, path)
@@ -482,22 +702,34 @@ def _build_checked(spec: KernelSpec, cc: str, source_path: Path, path: Path, fai
             os.unlink(tmp)
 
 
-def _self_check(lib_path: str, spec: KernelSpec, head_dim: int = HEAD_DIM) -> tuple[str | None, bool]:
+def _self_check(
+    lib_path: str, spec: KernelSpec, head_dim: int = HEAD_DIM
+) -> tuple[str | None, bool]:
     """Run kvblend.kernels.selfcheck on a new build in a subprocess: a miscompiled kernel may crash, and
     that must not take this process down. Returns (None, False) when it passed, else (what went wrong,
     whether that is the build's fault: it crashed or gave wrong numbers)."""
-    package_root = str(Path(__file__).resolve().parents[2])  # importable even when not pip-installed
+    package_root = str(
+        Path(__file__).resolve().parents[2]
+    )  # importable even when not pip-installed
     try:
-        proc = subprocess.run([sys.executable, "-m", "kvblend.kernels.selfcheck", lib_path, spec.name,
-                               str(head_dim)], capture_output=True, text=True, timeout=300,
-                              env=env.child_environ(prepend_path=package_root))
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvblend.kernels.selfcheck", lib_path, spec.name, str(head_dim)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env.child_environ(prepend_path=package_root),
+        )
     except subprocess.TimeoutExpired:
         return "it did not finish within 300 s", False
     if proc.returncode == 0:
         return None, False
     if proc.returncode < 0:
         return f"it crashed ({signal.Signals(-proc.returncode).name})", True
-    last_line = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit status {proc.returncode}"
+    last_line = (
+        proc.stderr.strip().splitlines()[-1]
+        if proc.stderr.strip()
+        else f"exit status {proc.returncode}"
+    )
     return last_line, proc.returncode == EXIT_MISMATCH
 
 
@@ -507,8 +739,9 @@ def open_library(path: Path, spec: KernelSpec, head_dim: int = HEAD_DIM) -> Rows
     lib = ctypes.CDLL(str(path))
     _declare(lib, spec.init_symbol)
     if spec.init_symbol is not None and getattr(lib, spec.init_symbol)() != 0:
-        raise KernelUnavailable(f"the OS refused the {spec.name} kernel's CPU state to this process "
-                                "(arch_prctl)", "os")
+        raise KernelUnavailable(
+            f"the OS refused the {spec.name} kernel's CPU state to this process (arch_prctl)", "os"
+        )
     return RowsAttention(lib, Path(path), spec, head_dim)
 
 
@@ -538,6 +771,8 @@ def _declare(lib: ctypes.CDLL, init_symbol: str | None) -> None:
     attention_args = [P, L, P, L, P, L, P, L, P, P, P, L, L, I, I, I, ctypes.c_float, P, L, P, L, I]
     lib.kvb_rows_attention.restype = I
     lib.kvb_rows_attention.argtypes = attention_args
-    if hasattr(lib, "kvb_rows_attention_mass"):  # the bf16 builds: also the attention each key receives
+    if hasattr(
+        lib, "kvb_rows_attention_mass"
+    ):  # the bf16 builds: also the attention each key receives
         lib.kvb_rows_attention_mass.restype = I
         lib.kvb_rows_attention_mass.argtypes = [*attention_args, P]

@@ -39,7 +39,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def check(kernel, num_keys: int = 300, num_rows: int = 37, num_kv_heads: int = 2, rep: int = 3) -> float:
+def check(
+    kernel, num_keys: int = 300, num_rows: int = 37, num_kv_heads: int = 2, rep: int = 3
+) -> float:
     """Max abs difference of ``kernel`` (a RowsAttention, at its head_dim) from the reference; raises if
     above tolerance."""
     gen = torch.Generator().manual_seed(0)
@@ -56,22 +58,41 @@ def check(kernel, num_keys: int = 300, num_rows: int = 37, num_kv_heads: int = 2
     k_rot = rotate(k, cos, sin).to(kernel.dtype).float()
     q_rot = rotate(q.transpose(0, 1), cos[positions], sin[positions])  # [Hq, A, d]
     mask = torch.arange(num_keys)[None, :] <= positions[:, None]
-    ref = F.scaled_dot_product_attention(q_rot[None], k_rot[None], v.float()[None], attn_mask=mask,
-                                         enable_gqa=True)[0].transpose(0, 1).reshape(num_rows, -1)
+    ref = (
+        F.scaled_dot_product_attention(
+            q_rot[None], k_rot[None], v.float()[None], attn_mask=mask, enable_gqa=True
+        )[0]
+        .transpose(0, 1)
+        .reshape(num_rows, -1)
+    )
     diff = (out.float() - ref).abs().max().item()
     if not diff <= OUTPUT_ATOL[kernel.dtype]:  # also catches NaN
-        raise AssertionError(f"output differs from the fp32 reference by {diff} (tolerance "
-                             f"{OUTPUT_ATOL[kernel.dtype]})")
+        raise AssertionError(
+            f"output differs from the fp32 reference by {diff} (tolerance "
+            f"{OUTPUT_ATOL[kernel.dtype]})"
+        )
     if kernel.has_key_mass:
-        check_key_mass(kernel, q, k, v, positions, (cos, sin), reference_key_mass(q_rot, k_rot, mask, 1 / math.sqrt(d)))
+        check_key_mass(
+            kernel,
+            q,
+            k,
+            v,
+            positions,
+            (cos, sin),
+            reference_key_mass(q_rot, k_rot, mask, 1 / math.sqrt(d)),
+        )
     return diff
 
 
-def reference_key_mass(q_rot: torch.Tensor, k_rot: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def reference_key_mass(
+    q_rot: torch.Tensor, k_rot: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """fp32 [T]: softmax probabilities summed over rows and query heads. q_rot [Hq, A, d] (rounded to bf16 as the
     kernel rounds its rotated queries), k_rot [Hkv, T, d], mask [A, T] bool (True = may attend)."""
     rep = q_rot.shape[0] // k_rot.shape[0]
-    scores = q_rot.to(torch.bfloat16).float() @ k_rot.repeat_interleave(rep, 0).transpose(1, 2) * scale
+    scores = (
+        q_rot.to(torch.bfloat16).float() @ k_rot.repeat_interleave(rep, 0).transpose(1, 2) * scale
+    )
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).sum(dim=(0, 1))
 
 
@@ -83,11 +104,15 @@ def check_key_mass(kernel, q, k, v, positions, rope_half, ref: torch.Tensor) -> 
     scratch = torch.empty(kernel.scratch_bytes(num_keys, k.shape[0]), dtype=torch.uint8)
     mass = torch.zeros(num_keys, dtype=torch.float32)
     for _ in range(2):  # it adds: two calls give twice the mass
-        kernel(q, k, v, None, rope_half, positions, 1 / math.sqrt(d), out, scratch, 2, key_mass=mass)
+        kernel(
+            q, k, v, None, rope_half, positions, 1 / math.sqrt(d), out, scratch, 2, key_mass=mass
+        )
     diff = (mass / 2 - ref).abs().max().item()
     if not diff <= KEY_MASS_RTOL * max(1.0, ref.abs().max().item()):  # also catches NaN
-        raise AssertionError(f"key_mass differs from the fp32 reference by {diff} (tolerance {KEY_MASS_RTOL} "
-                             f"relative)")
+        raise AssertionError(
+            f"key_mass differs from the fp32 reference by {diff} (tolerance {KEY_MASS_RTOL} "
+            f"relative)"
+        )
     return diff
 
 
@@ -106,7 +131,9 @@ def check_linear(kernel, num_rows: int = 45, num_out: int = 96, num_in: int = 64
     diff = (out.float() - ref).abs().max().item()
     tolerance = ref.abs().max().item() / 128  # one bf16 rounding
     if not diff <= tolerance:
-        raise AssertionError(f"linear output differs from the fp32 reference by {diff} (tolerance {tolerance})")
+        raise AssertionError(
+            f"linear output differs from the fp32 reference by {diff} (tolerance {tolerance})"
+        )
     return diff
 
 
@@ -118,17 +145,24 @@ def check_decode(kernel, num_keys: int = 600, num_kv_heads: int = 2, rep: int = 
         return 0.0
     gen = torch.Generator().manual_seed(2)
     d = kernel.head_dim
-    cache_k = torch.randn(num_kv_heads, num_keys + 9, d, generator=gen).to(kernel.dtype)  # [Hkv, capacity, d]
+    cache_k = torch.randn(num_kv_heads, num_keys + 9, d, generator=gen).to(
+        kernel.dtype
+    )  # [Hkv, capacity, d]
     cache_v = torch.randn(num_kv_heads, num_keys + 9, d, generator=gen).to(kernel.dtype)
-    q = torch.randn(num_kv_heads * rep, 2, d, generator=gen).to(kernel.dtype)[:, 1]  # [Hq, d], heads strided
+    q = torch.randn(num_kv_heads * rep, 2, d, generator=gen).to(kernel.dtype)[
+        :, 1
+    ]  # [Hq, d], heads strided
     k, v = cache_k[:, :num_keys], cache_v[:, :num_keys]
     out = kernel.decode_attention(q, k, v, 1 / math.sqrt(d), 2)
-    ref = F.scaled_dot_product_attention(q.float()[None, :, None], k.float()[None], v.float()[None],
-                                         enable_gqa=True)[0].reshape(1, -1)
+    ref = F.scaled_dot_product_attention(
+        q.float()[None, :, None], k.float()[None], v.float()[None], enable_gqa=True
+    )[0].reshape(1, -1)
     diff = (out.float() - ref).abs().max().item()
     if not diff <= OUTPUT_ATOL[kernel.dtype]:  # also catches NaN
-        raise AssertionError(f"decode output differs from the fp32 reference by {diff} (tolerance "
-                             f"{OUTPUT_ATOL[kernel.dtype]})")
+        raise AssertionError(
+            f"decode output differs from the fp32 reference by {diff} (tolerance "
+            f"{OUTPUT_ATOL[kernel.dtype]})"
+        )
     return diff
 
 
@@ -138,7 +172,9 @@ def main(argv: list[str]) -> int:
     kernel = open_library(lib_path, KERNELS_BY_NAME[name], head_dim)
     try:
         check(kernel)
-        check(kernel, num_keys=200, num_rows=40, num_kv_heads=1, rep=8)  # the widest GQA the kernels take
+        check(
+            kernel, num_keys=200, num_rows=40, num_kv_heads=1, rep=8
+        )  # the widest GQA the kernels take
         check_linear(kernel)
         check_decode(kernel)
     except AssertionError as e:

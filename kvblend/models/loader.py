@@ -99,7 +99,9 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, dtype: str) -> None:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "kvblend_source.json").write_text(json.dumps({"gguf": str(gguf_path), "dtype": dtype}))
+        (tmp / "kvblend_source.json").write_text(
+            json.dumps({"gguf": str(gguf_path), "dtype": dtype})
+        )
         os.replace(tmp, out_dir) if not out_dir.exists() else shutil.rmtree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -111,7 +113,9 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
     ref = cfg.model or str(embedded_gguf_path())
     path = Path(ref).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"model path {ref!r} does not exist (model hubs are not reachable: pass a local dir or .gguf)")
+        raise ModelLoadError(
+            f"model path {ref!r} does not exist (model hubs are not reachable: pass a local dir or .gguf)"
+        )
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} has no config.json: not a HF model directory")
@@ -119,7 +123,9 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
     if path.suffix != ".gguf":
         raise ModelLoadError(f"{path} is neither a HF model directory nor a .gguf file")
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[
+        :12
+    ]
     # GGUF weights are converted to bf16 once; other dtypes are a cast at load time.
     out_dir = cfg.cache_dir / "models" / f"{path.stem}-{key}-bf16"
     if not (out_dir / "config.json").is_file():
@@ -132,11 +138,15 @@ def _check_device(device: str) -> None:
     if device == "cpu":
         return
     if not torch.cuda.is_available():
-        raise ModelLoadError(f"device {device!r} asked for, but CUDA is not available to this PyTorch "
-                             f"({torch.__version__}); use --device cpu")
+        raise ModelLoadError(
+            f"device {device!r} asked for, but CUDA is not available to this PyTorch "
+            f"({torch.__version__}); use --device cpu"
+        )
     index = torch.device(device).index or 0
     if index >= torch.cuda.device_count():
-        raise ModelLoadError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+        raise ModelLoadError(
+            f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:

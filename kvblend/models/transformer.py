@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
 _QKV_PARTS = ("qkv", "qk", "kv", "q", "k", "v")
 
 
@@ -30,19 +29,30 @@ class TransformerOps:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.has_qk_norm = hasattr(self.layers[0].self_attn, "q_norm")  # Qwen3
         self.dtype = self.embed_tokens.weight.dtype
         self.device = self.embed_tokens.weight.device
         self.max_position_embeddings = int(getattr(cfg, "max_position_embeddings", 4096))
         # One matmul for q/k/v and one for gate/up per layer instead of three and two: a blend
         # recomputes ~15% of rows, and at that size per-call overhead is a large share of a matmul.
-        self.qkv_proj = [_fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
-        self.qkv_split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                          self.num_kv_heads * self.head_dim]
+        self.qkv_proj = [
+            _fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj])
+            for l in self.layers
+        ]
+        self.qkv_split = [
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        ]
         self.fused_mlp = getattr(cfg, "hidden_act", None) == "silu" and all(
-            hasattr(l.mlp, "gate_proj") and hasattr(l.mlp, "up_proj") for l in self.layers)
-        self.gate_up_proj = [_fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers] if self.fused_mlp else []
+            hasattr(l.mlp, "gate_proj") and hasattr(l.mlp, "up_proj") for l in self.layers
+        )
+        self.gate_up_proj = (
+            [_fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
+            if self.fused_mlp
+            else []
+        )
         # kvblend.kernels.RowsAttention (native attention with RoPE fused: AMX bf16 / AVX2 fp32) or None.
         self.rows_attention = rows_attention
         self._rope_half: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope_half_tables
@@ -62,12 +72,16 @@ class TransformerOps:
             self._rope_half = tables
         return tables
 
-    def _compute_rope_half_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _compute_rope_half_tables(
+        self, num_positions: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         probe = torch.empty(0, dtype=torch.float32, device=self.device)
         cos, sin = self.rotary(probe, torch.arange(num_positions, device=self.device).view(1, -1))
         cos, sin = cos[0].float(), sin[0].float()
         half = self.head_dim // 2
-        if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
+        if not (
+            torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])
+        ):
             return None
         return cos[:, :half].contiguous(), sin[:, :half].contiguous()
 
@@ -94,8 +108,12 @@ class TransformerOps:
         bounds = [0, self.qkv_split[0], self.qkv_split[0] + self.qkv_split[1], sum(self.qkv_split)]
         weight, bias = self.qkv_proj[layer_idx]
         packed = self._packed_weight(layer_idx, "qkv", weight, bias, x)
-        if packed is not None and bounds[first] % 32 == 0 and bounds[last] % 32 == 0:  # [A, sum of the parts' widths]
-            out = self.rows_attention.linear(x, packed.columns(bounds[first], bounds[last]), torch.get_num_threads())
+        if (
+            packed is not None and bounds[first] % 32 == 0 and bounds[last] % 32 == 0
+        ):  # [A, sum of the parts' widths]
+            out = self.rows_attention.linear(
+                x, packed.columns(bounds[first], bounds[last]), torch.get_num_threads()
+            )
         else:
             rows = slice(bounds[first], bounds[last])
             out = F.linear(x, weight[rows], None if bias is None else bias[rows])
@@ -108,17 +126,25 @@ class TransformerOps:
                 tensors["k"] = attn.k_norm(tensors["k"])
         return tuple(tensors[p].transpose(0, 1) for p in parts)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               causal: bool = True) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool = True,
+    ) -> torch.Tensor:
         """q [Hq, S, d] over k, v [Hkv, T, d]. mask: bool [S, T] (True = may attend); None with
         ``causal`` for plain causal attention (S == T), None without it to see every key (decode).
         Returns [S, Hq * d]."""
         if mask is None:
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=causal,
-                                                 scale=self.scaling, enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                q[None], k[None], v[None], is_causal=causal, scale=self.scaling, enable_gqa=True
+            )
         else:
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
-                                                 scale=self.scaling, enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                q[None], k[None], v[None], attn_mask=mask, scale=self.scaling, enable_gqa=True
+            )
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
     def decode_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -127,8 +153,14 @@ class TransformerOps:
         dense rows), else SDPA."""
         kernel, d = self.rows_attention, self.head_dim
         dense = q.stride(-1) == 1 and all(t.stride(-1) == 1 and t.stride(-2) == d for t in (k, v))
-        if kernel is not None and kernel.has_decode and q.dtype == kernel.dtype and q.device.type == "cpu" and \
-                kernel.head_dim == d and dense:
+        if (
+            kernel is not None
+            and kernel.has_decode
+            and q.dtype == kernel.dtype
+            and q.device.type == "cpu"
+            and kernel.head_dim == d
+            and dense
+        ):
             return kernel.decode_attention(q, k, v, self.scaling, torch.get_num_threads())
         return self.attend(q[:, None], k, v, mask=None, causal=False)
 
@@ -137,7 +169,9 @@ class TransformerOps:
         """Query heads per KV head (GQA)."""
         return self.num_heads // self.num_kv_heads
 
-    def attend_rows(self, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks) -> torch.Tensor:
+    def attend_rows(
+        self, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks
+    ) -> torch.Tensor:
         """Attention of a sorted set of rows, block by block (``blocks``: RowBlocks over those rows).
 
         qg [Hkv, A * rep, d]: post-RoPE queries grouped by KV head, a row's ``rep`` query heads
@@ -150,48 +184,77 @@ class TransformerOps:
         grouped_out = out.permute(1, 0, 2, 3)  # [Hkv, A, rep, d] view: blocks write in place
         for blk in blocks:
             lo, hi = blk.rows.start, blk.rows.stop
-            qb = qg[:, lo * rep: hi * rep]  # [Hkv, n * rep, d]
+            qb = qg[:, lo * rep : hi * rep]  # [Hkv, n * rep, d]
             if qg.device.type != "cpu":
-                res = self.attend(_heads_major(qb, rep), k[:, :blk.num_keys], v[:, :blk.num_keys], blk.mask)
+                res = self.attend(
+                    _heads_major(qb, rep), k[:, : blk.num_keys], v[:, : blk.num_keys], blk.mask
+                )
                 out[lo:hi] = res.view(hi - lo, self.num_kv_heads, rep, d)
             else:
                 self._attend_block_cpu(qb, k, v, blk, grouped_out[:, lo:hi])
         return out.view(num_rows, -1)
 
-    def _attend_block_cpu(self, qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk, dst: torch.Tensor) -> None:
+    def _attend_block_cpu(
+        self, qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk, dst: torch.Tensor
+    ) -> None:
         """One block into dst [Hkv, n, rep, d]. Keys [0, split) precede every row: one unmasked flash
         call; the tail [split, num_keys) runs masked (or causal when the rows are consecutive); the two
         partial results merge by their log-sum-exp. A masked kernel is slower per score, hence the split."""
         rep, d = self.group_size, self.head_dim
         n = qb.shape[1] // rep
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        k_tail, v_tail = k[None, :, blk.split:blk.num_keys], v[None, :, blk.split:blk.num_keys]
+        k_tail, v_tail = k[None, :, blk.split : blk.num_keys], v[None, :, blk.split : blk.num_keys]
         if blk.contiguous:
             qh = _heads_major(qb, rep)  # causal masks need one query head per row
             if blk.split <= n:
                 # A run after a short stored head (prefix mode, blend@1): pad the queries with the
                 # head's positions and run one causal kernel; the padded rows cost less than a merge.
                 padded = torch.cat([qh.new_zeros(qh.shape[0], blk.split, d), qh], dim=1)
-                res = self.attend(padded, k[:, :blk.num_keys], v[:, :blk.num_keys], None)[blk.split:]
+                res = self.attend(padded, k[:, : blk.num_keys], v[:, : blk.num_keys], None)[
+                    blk.split :
+                ]
                 dst.copy_(res.view(n, self.num_kv_heads, rep, d).transpose(0, 1))
                 return
-            tail_out, tail_lse = flash(qh[None], k_tail.repeat_interleave(rep, 1), v_tail.repeat_interleave(rep, 1),
-                                       0.0, True, scale=self.scaling)  # [1, Hq, n, d], [1, Hq, n]
-            tail_out = tail_out[0].view(self.num_kv_heads, rep, n, d).transpose(1, 2)  # [Hkv, n, rep, d]
+            tail_out, tail_lse = flash(
+                qh[None],
+                k_tail.repeat_interleave(rep, 1),
+                v_tail.repeat_interleave(rep, 1),
+                0.0,
+                True,
+                scale=self.scaling,
+            )  # [1, Hq, n, d], [1, Hq, n]
+            tail_out = (
+                tail_out[0].view(self.num_kv_heads, rep, n, d).transpose(1, 2)
+            )  # [Hkv, n, rep, d]
             tail_lse = tail_lse[0].view(self.num_kv_heads, rep, n).transpose(1, 2)
         else:
-            tail_out, tail_lse = flash(qb[None], k_tail, v_tail, 0.0, False, scale=self.scaling,
-                                       attn_mask=blk.float_tail_mask(rep, qb.dtype))
+            tail_out, tail_lse = flash(
+                qb[None],
+                k_tail,
+                v_tail,
+                0.0,
+                False,
+                scale=self.scaling,
+                attn_mask=blk.float_tail_mask(rep, qb.dtype),
+            )
             tail_out = tail_out[0].view(self.num_kv_heads, n, rep, d)
             tail_lse = tail_lse[0].view(self.num_kv_heads, n, rep)
         if blk.split == 0:
             dst.copy_(tail_out)
             return
-        head_out, head_lse = flash(qb[None], k[None, :, :blk.split], v[None, :, :blk.split], 0.0, False,
-                                   scale=self.scaling)
+        head_out, head_lse = flash(
+            qb[None],
+            k[None, :, : blk.split],
+            v[None, :, : blk.split],
+            0.0,
+            False,
+            scale=self.scaling,
+        )
         # softmax over both key ranges = the two partial results weighted by their mass
         weight = torch.sigmoid(head_lse[0].view(self.num_kv_heads, n, rep) - tail_lse).unsqueeze(-1)
-        torch.lerp(tail_out, head_out[0].view(self.num_kv_heads, n, rep, d), weight.to(qb.dtype), out=dst)
+        torch.lerp(
+            tail_out, head_out[0].view(self.num_kv_heads, n, rep, d), weight.to(qb.dtype), out=dst
+        )
 
     def finish_layer(self, layer_idx: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj, then residual + MLP. h, attn_out: [S, D] / [S, Hq*d] -> [S, D].
@@ -199,7 +262,11 @@ class TransformerOps:
         layer = self.layers[layer_idx]
         attn_proj = self._project(layer_idx, "o", layer.self_attn.o_proj, attn_out)
         x, h = self._norm(layer.post_attention_layernorm, h, attn_proj)  # x: the MLP's normed input
-        blocks = mlp_row_blocks(h.shape[0], h.dtype) if h.device.type == "cpu" else [slice(0, h.shape[0])]
+        blocks = (
+            mlp_row_blocks(h.shape[0], h.dtype)
+            if h.device.type == "cpu"
+            else [slice(0, h.shape[0])]
+        )
         if len(blocks) == 1:
             return self._mlp(layer_idx, x, h)
         out = torch.empty_like(h)
@@ -207,8 +274,13 @@ class TransformerOps:
             self._mlp(layer_idx, x[rows], h[rows], out[rows])
         return out
 
-    def _mlp(self, layer_idx: int, x: torch.Tensor, residual: torch.Tensor,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+    def _mlp(
+        self,
+        layer_idx: int,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """residual + the MLP's output, for normed rows x [S, D] (residual [S, D]); into ``out`` when given."""
         layer = self.layers[layer_idx]
         if not self.fused_mlp:
@@ -232,8 +304,12 @@ class TransformerOps:
         CPU (one memcpy a row and head); else index_copy_ (a little faster than index_put for ~1k rows)."""
         if rows.numel() == dst.shape[1]:
             dst.copy_(src)
-        elif self._native_elementwise(src[0]) and dst.device.type == "cpu" and dst.stride(-1) == 1 and \
-                dst.stride(1) == dst.shape[2]:
+        elif (
+            self._native_elementwise(src[0])
+            and dst.device.type == "cpu"
+            and dst.stride(-1) == 1
+            and dst.stride(1) == dst.shape[2]
+        ):
             self.rows_attention.scatter_rows(dst, src, rows.contiguous())
         else:
             dst.index_copy_(1, rows, src)
@@ -241,23 +317,42 @@ class TransformerOps:
     def _native_elementwise(self, x: torch.Tensor) -> bool:
         """Whether rows x [S, W] go through the native row-wise ops (a bf16 build of the kernels, on the CPU)."""
         kernel = self.rows_attention
-        return kernel is not None and kernel.has_elementwise and x.dtype == kernel.dtype and \
-            x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] % 16 == 0
+        return (
+            kernel is not None
+            and kernel.has_elementwise
+            and x.dtype == kernel.dtype
+            and x.device.type == "cpu"
+            and x.dim() == 2
+            and x.stride(-1) == 1
+            and x.shape[-1] % 16 == 0
+        )
 
     def _norm(self, norm: torch.nn.Module, h: torch.Tensor, delta: torch.Tensor | None = None):
         """(norm(h'), h') for rows h [S, D], where h' = h + delta (the residual add before a norm) or h.
         HF RMSNorms of a bf16 model go through the native kernel in one pass (rows_elementwise.h);
         anything else through ``_rms_norm``."""
-        if _is_hf_rms(norm) and self._native_elementwise(h) and (delta is None or self._native_elementwise(delta)):
-            out, total = self.rows_attention.rms_norm(h, norm.weight, norm.variance_epsilon,
-                                                      torch.get_num_threads(), delta)
+        if (
+            _is_hf_rms(norm)
+            and self._native_elementwise(h)
+            and (delta is None or self._native_elementwise(delta))
+        ):
+            out, total = self.rows_attention.rms_norm(
+                h, norm.weight, norm.variance_epsilon, torch.get_num_threads(), delta
+            )
             return out, h if total is None else total
         if delta is not None:
             h = h + delta
         return _rms_norm(norm, h), h
 
-    def _project(self, layer_idx: int, name: str, module: torch.nn.Linear, x: torch.Tensor,
-                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _project(
+        self,
+        layer_idx: int,
+        name: str,
+        module: torch.nn.Linear,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """module(x) (+ residual) for x [S, in]; through the native AMX projection for the row counts a blend
         recomputes (NATIVE_LINEAR_MAX_ROWS), where oneDNN's two-thread split is poor, with the residual add
         in its epilogue. ``out``: where the result goes, else a new tensor."""
@@ -269,16 +364,29 @@ class TransformerOps:
             return torch.add(residual, y, out=out)
         return y if out is None else out.copy_(y)
 
-    def _packed_weight(self, layer_idx: int, name: str, weight: torch.Tensor, bias: torch.Tensor | None,
-                       x: torch.Tensor, *more: torch.Tensor | None):
+    def _packed_weight(
+        self,
+        layer_idx: int,
+        name: str,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        x: torch.Tensor,
+        *more: torch.Tensor | None,
+    ):
         """The native projection's packed ``weight`` ("qkv", "o", "gate_up" or "down") for rows x [S, in] (and
         the call's other row tensors ``more``), packed at first use, a copy beside the module's (SmolLM2-135M:
         212 MB for all four); None where the call goes to PyTorch: no AMX build, more rows than
         NATIVE_LINEAR_MAX_ROWS[name], another dtype or device, rows that are not dense, a shape it does not take."""
         kernel = self.rows_attention
-        if kernel is None or not kernel.has_linear or x.shape[0] > NATIVE_LINEAR_MAX_ROWS[name] or \
-                x.dtype != kernel.dtype or x.device.type != "cpu" or x.stride(-1) != 1 or \
-                any(t is not None and t.stride(-1) != 1 for t in more):
+        if (
+            kernel is None
+            or not kernel.has_linear
+            or x.shape[0] > NATIVE_LINEAR_MAX_ROWS[name]
+            or x.dtype != kernel.dtype
+            or x.device.type != "cpu"
+            or x.stride(-1) != 1
+            or any(t is not None and t.stride(-1) != 1 for t in more)
+        ):
             return None
         key = (layer_idx, name)
         if key not in self._packed:
@@ -322,7 +430,11 @@ def mlp_row_blocks(num_rows: int, dtype: torch.dtype) -> list[slice]:
 def _heads_major(qg: torch.Tensor, rep: int) -> torch.Tensor:
     """[Hkv, n * rep, d] grouped queries -> [Hq, n, d] (query head h = kv head h // rep, as HF's repeat_kv)."""
     num_kv_heads, rows, d = qg.shape
-    return qg.view(num_kv_heads, rows // rep, rep, d).transpose(1, 2).reshape(num_kv_heads * rep, rows // rep, d)
+    return (
+        qg.view(num_kv_heads, rows // rep, rep, d)
+        .transpose(1, 2)
+        .reshape(num_kv_heads * rep, rows // rep, d)
+    )
 
 
 def _fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -332,14 +444,20 @@ def _fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.T
     has_bias = [lin.bias is not None for lin in linears]
     bias = None
     if any(has_bias):
-        bias = torch.cat([lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
-                          for lin in linears])
+        bias = torch.cat(
+            [
+                lin.bias.detach()
+                if lin.bias is not None
+                else lin.weight.new_zeros(lin.out_features)
+                for lin in linears
+            ]
+        )
     row = 0
     for lin in linears:
         n = lin.out_features
-        lin.weight = torch.nn.Parameter(weight[row: row + n], requires_grad=False)
+        lin.weight = torch.nn.Parameter(weight[row : row + n], requires_grad=False)
         if lin.bias is not None:
-            lin.bias = torch.nn.Parameter(bias[row: row + n], requires_grad=False)
+            lin.bias = torch.nn.Parameter(bias[row : row + n], requires_grad=False)
         row += n
     return weight, bias
 
@@ -352,7 +470,9 @@ def _rms_norm(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     if not _is_hf_rms(norm):
         return norm(h)
     eps, weight = norm.variance_epsilon, norm.weight
-    sq_norm = torch.linalg.vector_norm(h, 2, dim=-1, keepdim=True, dtype=torch.float32).square_()  # [S, 1]
+    sq_norm = torch.linalg.vector_norm(
+        h, 2, dim=-1, keepdim=True, dtype=torch.float32
+    ).square_()  # [S, 1]
     scale = sq_norm.div_(h.shape[-1]).add_(eps).rsqrt_()
     return torch.mul(h, scale.to(h.dtype)).mul_(weight)
 
@@ -360,16 +480,23 @@ def _rms_norm(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
 def _is_hf_rms(norm: torch.nn.Module) -> bool:
     """An HF RMSNorm with the plain math (x * rsqrt(mean(x^2) + eps) * weight), whose forward is the
     class's own (not patched)."""
-    return getattr(norm, "variance_epsilon", None) is not None and getattr(norm, "weight", None) is not None \
+    return (
+        getattr(norm, "variance_epsilon", None) is not None
+        and getattr(norm, "weight", None) is not None
         and type(norm).forward is _HF_RMS_FORWARDS.get(type(norm).__name__, None)
+    )
 
 
 def _hf_rms_forwards() -> dict:
     """forward functions of the HF RMSNorm classes whose math F.rms_norm reproduces
     (x * rsqrt(mean(x^2) + eps) * weight, in fp32, no offset on the weight)."""
     found = {}
-    for module, name in [("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("qwen2", "Qwen2RMSNorm"),
-                         ("qwen3", "Qwen3RMSNorm")]:
+    for module, name in [
+        ("llama", "LlamaRMSNorm"),
+        ("mistral", "MistralRMSNorm"),
+        ("qwen2", "Qwen2RMSNorm"),
+        ("qwen3", "Qwen3RMSNorm"),
+    ]:
         try:
             mod = __import__(f"transformers.models.{module}.modeling_{module}", fromlist=[name])
             found[name] = getattr(mod, name).forward

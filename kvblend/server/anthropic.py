@@ -43,6 +43,7 @@ from kvblend.server.schemas import Selection
 
 log = logging.getLogger(__name__)
 
+
 class ContentBlock(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: str
@@ -90,7 +91,9 @@ def anthropic_router(state) -> APIRouter:
             body = _parse(await request.body())
             backend = state.resolve(body.model)
             request.state.model = backend.id
-            local_stops = not hasattr(backend, "forward")  # local engines: stop sequences matched here
+            local_stops = not hasattr(
+                backend, "forward"
+            )  # local engines: stop sequences matched here
             job = to_job(body, principal.namespace, send_stops=not local_stops)
             timer = state.metrics.timer(backend.id, time.perf_counter())
             gen = await until_disconnect(request, backend.open(job))  # a client gone: work stops
@@ -116,8 +119,13 @@ def _authenticate(auth, request: Request):
     if key is not None and key.strip():
         return auth.authenticate(f"Bearer {key.strip()}")
     if auth.enabled and not request.headers.get("authorization"):
-        raise errors.APIError(401, "Missing API key: send it in the x-api-key header (or Authorization: Bearer).",
-                              "invalid_request_error", None, "missing_api_key")
+        raise errors.APIError(
+            401,
+            "Missing API key: send it in the x-api-key header (or Authorization: Bearer).",
+            "invalid_request_error",
+            None,
+            "missing_api_key",
+        )
     return auth.authenticate(request.headers.get("authorization"))
 
 
@@ -135,7 +143,9 @@ def _parse(raw: bytes) -> MessagesRequest:
         where = ".".join(str(p) for p in first.get("loc", ())) or "body"
         if first.get("type") == "missing":
             raise errors.invalid_request(f"{where}: Field required", where) from None
-        raise errors.invalid_request(f"{where}: {first.get('msg', 'invalid value')}", where) from None
+        raise errors.invalid_request(
+            f"{where}: {first.get('msg', 'invalid value')}", where
+        ) from None
 
 
 def _blocks(blocks: list[ContentBlock], where: str) -> list[dict]:
@@ -146,7 +156,8 @@ def _blocks(blocks: list[ContentBlock], where: str) -> list[dict]:
         elif b.type != "text" or b.text is None:
             raise errors.invalid_request(
                 f"{where}.{j}: only text and text document blocks are supported (got {b.type!r}).",
-                f"{where}.{j}")
+                f"{where}.{j}",
+            )
         else:
             out.append({"type": "text", "text": b.text})
     return out
@@ -160,15 +171,25 @@ def _document_parts(b: ContentBlock, where: str) -> list[dict]:
         texts = [src["data"]]
     elif src.get("type") == "content" and isinstance(src.get("content"), (str, list)):
         content = src["content"]
-        texts = [content] if isinstance(content, str) else [
-            c.get("text", "") for c in content if isinstance(c, dict) and c.get("type") == "text"]
+        texts = (
+            [content]
+            if isinstance(content, str)
+            else [
+                c.get("text", "")
+                for c in content
+                if isinstance(c, dict) and c.get("type") == "text"
+            ]
+        )
         if isinstance(content, list) and len(texts) != len(content):
-            raise errors.invalid_request(f"{where}.source: only text content is supported.",
-                                         f"{where}.source")
+            raise errors.invalid_request(
+                f"{where}.source: only text content is supported.", f"{where}.source"
+            )
     else:
         raise errors.invalid_request(
             f"{where}.source: only text documents (source type 'text' or 'content') are supported "
-            f"(got {src.get('type')!r}).", f"{where}.source")
+            f"(got {src.get('type')!r}).",
+            f"{where}.source",
+        )
     title = [{"type": "text", "text": b.title}] if b.title else []
     return title + [{"type": "text", "text": t} for t in texts if t]
 
@@ -181,11 +202,15 @@ def to_openai_messages(body: MessagesRequest) -> list[dict]:
     elif isinstance(body.system, list) and body.system:
         out.append({"role": "system", "content": _blocks(body.system, "system")})
     for i, m in enumerate(body.messages):
-        content = m.content if isinstance(m.content, str) else _blocks(m.content, f"messages.{i}.content")
+        content = (
+            m.content if isinstance(m.content, str) else _blocks(m.content, f"messages.{i}.content")
+        )
         out.append({"role": m.role, "content": content})
     if out[-1]["role"] != "user":
-        raise errors.invalid_request("messages must end with a user message (assistant prefill is not supported).",
-                                     "messages")
+        raise errors.invalid_request(
+            "messages must end with a user message (assistant prefill is not supported).",
+            "messages",
+        )
     return out
 
 
@@ -198,12 +223,19 @@ def to_job(body: MessagesRequest, namespace: str, send_stops: bool) -> Generatio
     top_p = 1.0 if body.top_p is None else body.top_p
     if top_p == 0.0:
         temperature, top_p = 0.0, 1.0
-    return GenerationJob(messages=to_openai_messages(body), documents=list(body.documents or []),
-                         max_tokens=body.max_tokens, temperature=temperature, top_p=top_p,
-                         stop=[s for s in body.stop_sequences or [] if s] if send_stops else [],
-                         mode=body.mode, recompute_ratio=body.recompute_ratio, selection=body.selection,
-                         fidelity=body.fidelity,
-                         namespace=namespace)
+    return GenerationJob(
+        messages=to_openai_messages(body),
+        documents=list(body.documents or []),
+        max_tokens=body.max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop=[s for s in body.stop_sequences or [] if s] if send_stops else [],
+        mode=body.mode,
+        recompute_ratio=body.recompute_ratio,
+        selection=body.selection,
+        fidelity=body.fidelity,
+        namespace=namespace,
+    )
 
 
 class _StopScanner:
@@ -223,7 +255,7 @@ class _StopScanner:
             out, self.buf = self.buf[:at], ""
             return out, stop
         hold = max(_partial_suffix(self.buf, s) for s in self.stops)
-        out, self.buf = self.buf[: len(self.buf) - hold], self.buf[len(self.buf) - hold:]
+        out, self.buf = self.buf[: len(self.buf) - hold], self.buf[len(self.buf) - hold :]
         return out, None
 
     def flush(self) -> str:
@@ -284,9 +316,11 @@ class _Run:
             self.timer.finish(f.kvblend, f.prompt_tokens, f.completion_tokens)
             return
         stats = getattr(self.gen, "stats", None)  # cut at a stop sequence or by the client
-        self.timer.finish(stats.as_dict() if hasattr(stats, "as_dict") else None,
-                          int(getattr(stats, "prompt_tokens", 0) or 0),
-                          int(getattr(self.gen, "num_tokens", self.deltas)))
+        self.timer.finish(
+            stats.as_dict() if hasattr(stats, "as_dict") else None,
+            int(getattr(stats, "prompt_tokens", 0) or 0),
+            int(getattr(self.gen, "num_tokens", self.deltas)),
+        )
 
     def stop_reason(self) -> str:
         if self.stop_sequence is not None:
@@ -298,29 +332,51 @@ class _Run:
     def usage(self) -> dict[str, Any]:
         f = self.final
         if f is not None:
-            prompt, cached, out, kv = f.prompt_tokens, f.cached_tokens, f.completion_tokens, f.kvblend
+            prompt, cached, out, kv = (
+                f.prompt_tokens,
+                f.cached_tokens,
+                f.completion_tokens,
+                f.kvblend,
+            )
         else:  # cut short at a local stop sequence: prefill stats from the stream, output counted here
             stats = getattr(self.gen, "stats", None)
             prompt = int(getattr(stats, "prompt_tokens", 0) or 0)
             cached = int(getattr(stats, "cached_tokens", 0) or 0)
             out, kv = self.deltas, (stats.as_dict() if hasattr(stats, "as_dict") else None)
-        usage = {"input_tokens": max(0, prompt - cached), "output_tokens": out,
-                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+        usage = {
+            "input_tokens": max(0, prompt - cached),
+            "output_tokens": out,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+        }
         if kv:
             usage["kvblend"] = kv
         return usage
 
     def _start_usage(self) -> dict[str, Any]:
-        stats = getattr(self.gen, "stats", None)  # local: known at prefill; upstream: only at the end
+        stats = getattr(
+            self.gen, "stats", None
+        )  # local: known at prefill; upstream: only at the end
         prompt = int(getattr(stats, "prompt_tokens", 0) or 0)
         cached = int(getattr(stats, "cached_tokens", 0) or 0)
-        return {"input_tokens": max(0, prompt - cached), "output_tokens": 0,
-                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+        return {
+            "input_tokens": max(0, prompt - cached),
+            "output_tokens": 0,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+        }
 
     def _message(self, content: list[dict], stop_reason: str | None, usage: dict) -> dict:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.backend.id,
-                "content": content, "stop_reason": stop_reason,
-                "stop_sequence": self.stop_sequence if stop_reason == "stop_sequence" else None, "usage": usage}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.backend.id,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": self.stop_sequence if stop_reason == "stop_sequence" else None,
+            "usage": usage,
+        }
 
     async def message(self) -> dict:
         text = "".join([p async for p in self.pieces()])
@@ -328,28 +384,58 @@ class _Run:
 
     async def sse(self) -> AsyncIterator[str]:
         try:
-            yield _event("message_start", {"type": "message_start",
-                                           "message": self._message([], None, self._start_usage())})
-            yield _event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                 "content_block": {"type": "text", "text": ""}})
+            yield _event(
+                "message_start",
+                {"type": "message_start", "message": self._message([], None, self._start_usage())},
+            )
+            yield _event(
+                "content_block_start",
+                {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "text", "text": ""},
+                },
+            )
             yield _event("ping", {"type": "ping"})
             async for text in self.pieces():
-                yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                     "delta": {"type": "text_delta", "text": text}})
+                yield _event(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": 0,
+                        "delta": {"type": "text_delta", "text": text},
+                    },
+                )
             yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
             reason = self.stop_reason()
-            yield _event("message_delta", {"type": "message_delta",
-                                           "delta": {"stop_reason": reason,
-                                                     "stop_sequence": self.stop_sequence
-                                                     if reason == "stop_sequence" else None},
-                                           "usage": self.usage()})
+            yield _event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {
+                        "stop_reason": reason,
+                        "stop_sequence": self.stop_sequence if reason == "stop_sequence" else None,
+                    },
+                    "usage": self.usage(),
+                },
+            )
             yield _event("message_stop", {"type": "message_stop"})
-        except errors.APIError as e:  # headers are gone: Anthropic reports in-band with an error event
-            yield _event("error", {"type": "error", "error": {"type": errors.anthropic_error_type(e.status), "message": e.message}})
+        except (
+            errors.APIError
+        ) as e:  # headers are gone: Anthropic reports in-band with an error event
+            yield _event(
+                "error",
+                {
+                    "type": "error",
+                    "error": {"type": errors.anthropic_error_type(e.status), "message": e.message},
+                },
+            )
         except Exception:
             log.exception("/v1/messages stream failed")
             e = errors.internal_error()
-            yield _event("error", {"type": "error", "error": {"type": "api_error", "message": e.message}})
+            yield _event(
+                "error", {"type": "error", "error": {"type": "api_error", "message": e.message}}
+            )
         finally:
             self.gen.cancel()  # client gone mid-stream: free the sequence / close the upstream now
 

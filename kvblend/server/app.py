@@ -20,30 +20,46 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvblend.config import ServerConfig
-from kvblend.server import errors
+from kvblend.server import errors, unsupported
+from kvblend.server.anthropic import anthropic_router
 from kvblend.server.auth import Authenticator, Principal
 from kvblend.server.backends import Backend, Delta, Final, GenerationJob, document_id
 from kvblend.server.factory import create_backends, create_store
 from kvblend.server.limits import has_valid_key, install_gate, until_disconnect
-from kvblend.server.openapi import install_openapi
-from kvblend.server.anthropic import anthropic_router
-from kvblend.server import unsupported
 from kvblend.server.logprobs import chat_logprobs, chat_setting, completion_logprobs
 from kvblend.server.metrics import Metrics, probe_remote_tiers
 from kvblend.server.model_info import max_model_len, model_info
+from kvblend.server.openapi import install_openapi
 from kvblend.server.reuse_warning import warn
-from kvblend.server.tokenize import tokenize_router
 from kvblend.server.schemas import (
-    ChatCompletionRequest, ChunkInfo, ChunksRequest, ChunksResponse, CompletionRequest, Document, ErrorResponse,
-    Health, ModelCard, ModelList,
+    ChatCompletionRequest,
+    ChunkInfo,
+    ChunksRequest,
+    ChunksResponse,
+    CompletionRequest,
+    Document,
+    ErrorResponse,
+    Health,
+    ModelCard,
+    ModelList,
 )
+from kvblend.server.tokenize import tokenize_router
 from kvblend.server.upstream import upstream_for, upstream_health
 
 log = logging.getLogger(__name__)
 
 ERROR_RESPONSES: dict = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 500, 503)}
-_KNOWN_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/chunks", "/v1/messages", "/health",
-                    "/metrics", "/tokenize", "/detokenize"}
+_KNOWN_ENDPOINTS = {
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/chunks",
+    "/v1/messages",
+    "/health",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+}
 _NOT_COUNTED = {"/health", "/metrics"}
 
 
@@ -70,7 +86,11 @@ class ServerState:
 
     def fidelity_stats(self) -> dict[str, dict]:
         """{model: agreement stats} of the local models that report them (kvblend/engine/fidelity.py)."""
-        return {b.id: s for b in self.by_id.values() if (s := getattr(b, "fidelity_stats", lambda: None)())}
+        return {
+            b.id: s
+            for b in self.by_id.values()
+            if (s := getattr(b, "fidelity_stats", lambda: None)())
+        }
 
     def store_stats(self) -> dict:
         if self.store is None or not hasattr(self.store, "stats"):
@@ -80,21 +100,30 @@ class ServerState:
 
     def resolve(self, model: str | None) -> Backend:
         if not self.ready:
-            raise errors.unavailable("the server is still loading its models", self.config.retry_after_s)
+            raise errors.unavailable(
+                "the server is still loading its models", self.config.retry_after_s
+            )
         if model is None and len(self.by_id) == 1:
             return next(iter(self.by_id.values()))
         if not model:  # several models served: the caller must say which
             served = ", ".join(sorted(self.by_id))
-            raise errors.invalid_request(f"Missing required parameter: 'model' (one of: {served}).",
-                                         "model", "missing_required_parameter")
+            raise errors.invalid_request(
+                f"Missing required parameter: 'model' (one of: {served}).",
+                "model",
+                "missing_required_parameter",
+            )
         backend = self.by_id.get(model)
         if backend is None:
             raise errors.model_not_found(str(model), sorted(self.by_id))
         return backend
 
 
-def create_app(config: ServerConfig, backends: list[Backend] | None = None, store=None,
-               on_ready: Callable[[list[Backend]], None] | None = None) -> FastAPI:
+def create_app(
+    config: ServerConfig,
+    backends: list[Backend] | None = None,
+    store=None,
+    on_ready: Callable[[list[Backend]], None] | None = None,
+) -> FastAPI:
     """Build the app. ``backends`` (tests) replaces the ones the config describes; ``on_ready`` is called
     with the loaded backends once every model serves (the CLI prints its start-up summary there)."""
     if backends is None:
@@ -120,11 +149,17 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
             for b in state.backends:
                 b.close()
 
-    app = FastAPI(title="kvblend", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible server with CacheBlend chunk KV reuse.")
+    app = FastAPI(
+        title="kvblend",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible server with CacheBlend chunk KV reuse.",
+    )
     app.state.kvblend = state
     errors.install_error_handlers(app)
-    app.include_router(anthropic_router(state))  # POST /v1/messages (Anthropic-shaped errors of its own)
+    app.include_router(
+        anthropic_router(state)
+    )  # POST /v1/messages (Anthropic-shaped errors of its own)
     install_gate(app, state)  # drain 503 > auth 401 > 413 > JSON 400, before any route (limits.py)
     install_openapi(app)  # /openapi.json as the server behaves (openapi.py)
     app.add_middleware(_RequestMetricsMiddleware, metrics=state.metrics)
@@ -138,11 +173,20 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
         detailed = has_valid_key(state, request)
         upstreams = await upstream_health(state.by_id.values(), detailed) or None
         degraded = any(not u.get("reachable") for u in (upstreams or {}).values())
-        engines = {i: getattr(b, "engine", None) for i, b in state.by_id.items()}  # local models only
-        attention = {i: {"kernel": e.attention_kernel, "reason": getattr(e, "attention_kernel_reason", None)}
-                     for i, e in engines.items() if hasattr(e, "attention_kernel")}
-        return Health(status="degraded" if degraded else "ok", models=list(state.by_id), upstreams=upstreams,
-                      attention=attention or None)
+        engines = {
+            i: getattr(b, "engine", None) for i, b in state.by_id.items()
+        }  # local models only
+        attention = {
+            i: {"kernel": e.attention_kernel, "reason": getattr(e, "attention_kernel_reason", None)}
+            for i, e in engines.items()
+            if hasattr(e, "attention_kernel")
+        }
+        return Health(
+            status="degraded" if degraded else "ok",
+            models=list(state.by_id),
+            upstreams=upstreams,
+            attention=attention or None,
+        )
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
@@ -158,8 +202,12 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
         return _card(state.resolve(model_id))
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
-    async def chat_completions(body: ChatCompletionRequest, request: Request, principal: Principal = auth) -> Any:
-        if (upstream := upstream_for(state, body.model)) is not None:  # relayed as is (kvblend/server/upstream.py)
+    async def chat_completions(
+        body: ChatCompletionRequest, request: Request, principal: Principal = auth
+    ) -> Any:
+        if (
+            upstream := upstream_for(state, body.model)
+        ) is not None:  # relayed as is (kvblend/server/upstream.py)
             return await upstream.forward(request, "/chat/completions", state.metrics)
         _check_common(body)
         unsupported.check_chat(body)
@@ -168,10 +216,14 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
         job = _chat_job(body, principal)
         job.max_tokens = body.max_completion_tokens or body.max_tokens
         job.logprobs = chat_setting(body.logprobs, body.top_logprobs)
-        return await _respond(request, state, backend, job, body.stream, _include_usage(body), _ChatFormat(backend.id))
+        return await _respond(
+            request, state, backend, job, body.stream, _include_usage(body), _ChatFormat(backend.id)
+        )
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
-    async def completions(body: CompletionRequest, request: Request, principal: Principal = auth) -> Any:
+    async def completions(
+        body: CompletionRequest, request: Request, principal: Principal = auth
+    ) -> Any:
         if (upstream := upstream_for(state, body.model)) is not None:
             return await upstream.forward(request, "/completions", state.metrics)
         _check_common(body)
@@ -190,8 +242,15 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
         job.prompt = prompt
         job.logprobs = body.logprobs
         echo = prompt if body.echo and isinstance(prompt, str) else ""
-        return await _respond(request, state, backend, job, body.stream, _include_usage(body),
-                              _CompletionFormat(backend.id, echo))
+        return await _respond(
+            request,
+            state,
+            backend,
+            job,
+            body.stream,
+            _include_usage(body),
+            _CompletionFormat(backend.id, echo),
+        )
 
     @app.post("/v1/chunks", response_model=ChunksResponse, responses=ERROR_RESPONSES)
     async def chunks(body: ChunksRequest, request: Request, principal: Principal = auth) -> Any:
@@ -200,17 +259,29 @@ def create_app(config: ServerConfig, backends: list[Backend] | None = None, stor
         docs = [_document(d) for d in body.documents]
         if any(not d.text for d in docs):
             raise errors.invalid_request("documents must have non-empty text.", "documents")
-        infos = await until_disconnect(request, backend.precompute([d.text for d in docs], principal.namespace))
-        data = [ChunkInfo(id=d.id or document_id(d.text), num_tokens=int(i["num_tokens"]),
-                          cached=bool(i.get("cached", False)), key=i.get("key")) for d, i in zip(docs, infos)]
+        infos = await until_disconnect(
+            request, backend.precompute([d.text for d in docs], principal.namespace)
+        )
+        data = [
+            ChunkInfo(
+                id=d.id or document_id(d.text),
+                num_tokens=int(i["num_tokens"]),
+                cached=bool(i.get("cached", False)),
+                key=i.get("key"),
+            )
+            for d, i in zip(docs, infos)
+        ]
         total = sum(c.num_tokens for c in data)
-        return ChunksResponse(model=backend.id, data=data, usage={"prompt_tokens": total, "total_tokens": total})
+        return ChunksResponse(
+            model=backend.id, data=data, usage={"prompt_tokens": total, "total_tokens": total}
+        )
 
     app.include_router(tokenize_router(state))  # POST /tokenize, /detokenize (vLLM's)
     return app
 
 
 # --- request -> job ------------------------------------------------------------------------------
+
 
 def _check_common(body) -> None:
     if body.n is not None and body.n > 1:
@@ -234,9 +305,16 @@ def _sampling_job(body, principal: Principal) -> GenerationJob:
     if top_p == 0.0:  # OpenAI accepts 0: only the most likely token survives, i.e. greedy
         temperature, top_p = 0.0, 1.0
     return GenerationJob(
-        documents=[_document(d).text for d in body.documents or []], max_tokens=body.max_tokens,
-        temperature=temperature, top_p=top_p, stop=[s for s in stop if s], seed=body.seed, mode=body.mode,
-        recompute_ratio=body.recompute_ratio, selection=body.selection, fidelity=body.fidelity,
+        documents=[_document(d).text for d in body.documents or []],
+        max_tokens=body.max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop=[s for s in stop if s],
+        seed=body.seed,
+        mode=body.mode,
+        recompute_ratio=body.recompute_ratio,
+        selection=body.selection,
+        fidelity=body.fidelity,
         namespace=principal.namespace,
     )
 
@@ -248,32 +326,46 @@ def _chat_job(body: ChatCompletionRequest, principal: Principal) -> GenerationJo
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:
-                    raise errors.invalid_request(f"Only text content parts are supported (got {part.type!r}).",
-                                                 f"messages[{i}].content[{j}]")
+                    raise errors.invalid_request(
+                        f"Only text content parts are supported (got {part.type!r}).",
+                        f"messages[{i}].content[{j}]",
+                    )
             content = [{"type": "text", "text": p.text} for p in content]
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        messages.append(
+            {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        )
     job = _sampling_job(body, principal)
     job.messages = messages
     return job
 
 
 def _card(b: Backend) -> ModelCard:
-    return ModelCard(id=b.id, created=b.created, owned_by=b.owned_by,
-                     max_model_len=max_model_len(b))
+    return ModelCard(
+        id=b.id, created=b.created, owned_by=b.owned_by, max_model_len=max_model_len(b)
+    )
 
 
 # --- responding ----------------------------------------------------------------------------------
 
-async def _respond(request: Request, state: ServerState, backend: Backend, job: GenerationJob, stream: bool | None,
-                   include_usage: bool, fmt: "_ChatFormat | _CompletionFormat") -> Response:
+
+async def _respond(
+    request: Request,
+    state: ServerState,
+    backend: Backend,
+    job: GenerationJob,
+    stream: bool | None,
+    include_usage: bool,
+    fmt: "_ChatFormat | _CompletionFormat",
+) -> Response:
     timer = state.metrics.timer(backend.id, time.perf_counter())
     gen = await until_disconnect(request, backend.open(job))
     timer.first_token(job.queue_s)  # open() returns once the first token exists
     headers = warn(state, backend.id, gen)
     if stream:
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return StreamingResponse(_sse(timer, gen, fmt, include_usage),
-                                 media_type="text/event-stream", headers=headers)
+        return StreamingResponse(
+            _sse(timer, gen, fmt, include_usage), media_type="text/event-stream", headers=headers
+        )
 
     async def collect() -> Final:
         try:
@@ -328,9 +420,13 @@ def _data(obj: dict) -> str:
 
 
 def _usage(f: Final) -> dict:
-    return {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
-            "total_tokens": f.prompt_tokens + f.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": f.cached_tokens}, "kvblend": f.kvblend}
+    return {
+        "prompt_tokens": f.prompt_tokens,
+        "completion_tokens": f.completion_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
+        "kvblend": f.kvblend,
+    }
 
 
 class _ChatFormat:
@@ -340,8 +436,13 @@ class _ChatFormat:
         self.model = model
 
     def base(self) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "system_fingerprint": None}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
 
     def opening(self) -> dict:
         return {"role": "assistant", "content": ""}
@@ -352,22 +453,37 @@ class _ChatFormat:
     def closing(self) -> dict:
         return {}
 
-    def chunk(self, delta: dict, finish_reason: str | None, include_usage: bool,
-              logprobs=None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs),
-                  "finish_reason": finish_reason}
+    def chunk(
+        self, delta: dict, finish_reason: str | None, include_usage: bool, logprobs=None
+    ) -> dict:
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": chat_logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
         out = {**self.base(), "choices": [choice]}
         if include_usage:
             out["usage"] = None
         return out
 
     def full(self, f: Final) -> dict:
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "system_fingerprint": None,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": f.text, "refusal": None},
-                             "logprobs": chat_logprobs(f.logprobs),
-                             "finish_reason": f.finish_reason}],
-                "usage": _usage(f)}
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": f.text, "refusal": None},
+                    "logprobs": chat_logprobs(f.logprobs),
+                    "finish_reason": f.finish_reason,
+                }
+            ],
+            "usage": _usage(f),
+        }
 
 
 class _CompletionFormat:
@@ -380,8 +496,13 @@ class _CompletionFormat:
         self.delta_offset = self.offset
 
     def base(self) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "system_fingerprint": None}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
 
     def opening(self) -> str | None:
         return self.echo or None
@@ -393,8 +514,9 @@ class _CompletionFormat:
     def closing(self) -> str:
         return ""
 
-    def chunk(self, text: str, finish_reason: str | None, include_usage: bool,
-              logprobs=None) -> dict:
+    def chunk(
+        self, text: str, finish_reason: str | None, include_usage: bool, logprobs=None
+    ) -> dict:
         lp = completion_logprobs(logprobs, self.delta_offset)
         choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
         out = {**self.base(), "choices": [choice]}
@@ -403,13 +525,22 @@ class _CompletionFormat:
         return out
 
     def full(self, f: Final) -> dict:
-        return {**self.base(), "choices": [{"index": 0, "text": self.echo + f.text,
-                                            "logprobs": completion_logprobs(f.logprobs,
-                                                                            len(self.echo)),
-                                            "finish_reason": f.finish_reason}], "usage": _usage(f)}
+        return {
+            **self.base(),
+            "choices": [
+                {
+                    "index": 0,
+                    "text": self.echo + f.text,
+                    "logprobs": completion_logprobs(f.logprobs, len(self.echo)),
+                    "finish_reason": f.finish_reason,
+                }
+            ],
+            "usage": _usage(f),
+        }
 
 
 # --- metrics middleware --------------------------------------------------------------------------
+
 
 class _RequestMetricsMiddleware:
     """Pure ASGI (not BaseHTTPMiddleware) so streaming and disconnect detection pass through untouched."""
@@ -434,6 +565,10 @@ class _RequestMetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             path = scope.get("path", "")
-            endpoint = path if path in _KNOWN_ENDPOINTS else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+            endpoint = (
+                path
+                if path in _KNOWN_ENDPOINTS
+                else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+            )
             model = (scope.get("state") or {}).get("model", "")
             self.metrics.observe_request(str(model)[:64], endpoint, status["code"])

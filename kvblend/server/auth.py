@@ -26,7 +26,10 @@ ANONYMOUS = Principal(name="anonymous", namespace="")
 
 class Authenticator:
     def __init__(self, keys: list[ApiKey]):
-        self._keys = [(k.key.encode(), Principal(k.name or f"key{i}", k.namespace)) for i, k in enumerate(keys)]
+        self._keys = [
+            (k.key.encode(), Principal(k.name or f"key{i}", k.namespace))
+            for i, k in enumerate(keys)
+        ]
 
     @property
     def enabled(self) -> bool:
@@ -37,16 +40,23 @@ class Authenticator:
             return ANONYMOUS
         token = _bearer_token(authorization)
         if token is None:
-            raise APIError(401, "You didn't provide an API key. You need to provide your API key in an "
-                           "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
-                           "invalid_request_error", None, "missing_api_key")
+            raise APIError(
+                401,
+                "You didn't provide an API key. You need to provide your API key in an "
+                "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
+                "invalid_request_error",
+                None,
+                "missing_api_key",
+            )
         given = token.encode()
         found: Principal | None = None
         for key, principal in self._keys:
             if hmac.compare_digest(given, key) and found is None:
                 found = principal
         if found is None:
-            raise APIError(401, "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key")
+            raise APIError(
+                401, "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key"
+            )
         return found
 
     async def __call__(self, request: Request) -> Principal:

@@ -18,12 +18,24 @@ from typing import Any, Protocol, Union
 
 from kvblend.blend.segmenter import build_completion_segments
 from kvblend.config import ModelEntry, ServerConfig
+from kvblend.engine.request import (
+    GenerationRequest,
+    GenerationResult,
+    PrefillStats,
+    SamplingParams,
+    TokenEvent,
+)
+from kvblend.engine.scheduler import (
+    Failed,
+    QueueFullError,
+    Scheduler,
+    SchedulerClosedError,
+    Started,
+)
 from kvblend.policy import PrefillPolicy
-from kvblend.server.logprobs import token_entry
-from kvblend.engine.request import GenerationRequest, GenerationResult, PrefillStats, SamplingParams, TokenEvent
-from kvblend.engine.scheduler import Failed, QueueFullError, Scheduler, SchedulerClosedError, Started
 from kvblend.server import errors
 from kvblend.server.limits import check_chunk_sizes, check_num_documents, check_token_ids
+from kvblend.server.logprobs import token_entry
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +95,14 @@ class Backend(Protocol):
     def close(self) -> None: ...
     def queue_depth(self) -> int: ...
     def active(self) -> int: ...  # sequences being generated now
-    async def open(self, job: GenerationJob) -> GenerationStream: ...  # raises APIError before any output
+    async def open(
+        self, job: GenerationJob
+    ) -> GenerationStream: ...  # raises APIError before any output
     async def precompute(self, documents: list[str], namespace: str) -> list[dict]: ...
 
 
 # --- local engine --------------------------------------------------------------------------------
+
 
 class PromptTooLong(ValueError):
     """Raised on the worker when prompt (+ requested completion) exceeds the context window."""
@@ -99,15 +114,18 @@ class PromptTooLong(ValueError):
         self.requested = requested
 
 
-def build_request(engine, job: GenerationJob, default_max_tokens: int,
-                  max_documents: int = 1 << 30) -> GenerationRequest:
+def build_request(
+    engine, job: GenerationJob, default_max_tokens: int, max_documents: int = 1 << 30
+) -> GenerationRequest:
     """Tokenizes, checks the context window and chunk count, fixes max_tokens. Runs on a helper
     thread, not the model's worker: only the tokenizer is touched (its fast encode is safe across
     threads), so a huge prompt's tokenization never stalls other tenants' decode steps."""
     if job.messages is not None:
         segs = engine.segments_from_messages(job.messages, documents=job.documents or None)
     else:
-        segs = build_completion_segments(engine.tokenizer, job.prompt if job.prompt is not None else "", job.documents)
+        segs = build_completion_segments(
+            engine.tokenizer, job.prompt if job.prompt is not None else "", job.documents
+        )
     check_num_documents(len(segs.chunk_ids), max_documents)
     n, limit = segs.num_tokens, int(engine.max_context_len)
     if n >= limit:
@@ -115,9 +133,17 @@ def build_request(engine, job: GenerationJob, default_max_tokens: int,
     if job.max_tokens is not None and n + job.max_tokens > limit:
         raise PromptTooLong(n, limit, job.max_tokens)
     max_tokens = job.max_tokens or max(1, min(default_max_tokens, limit - n))
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=job.temperature, top_p=job.top_p,
-                              stop=list(job.stop), seed=job.seed, logprobs=job.logprobs)
-    policy = PrefillPolicy.from_fields(job.mode, job.recompute_ratio, job.selection)  # "lookahead:8"
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=job.temperature,
+        top_p=job.top_p,
+        stop=list(job.stop),
+        seed=job.seed,
+        logprobs=job.logprobs,
+    )
+    policy = PrefillPolicy.from_fields(
+        job.mode, job.recompute_ratio, job.selection
+    )  # "lookahead:8"
     return GenerationRequest(segs, sampling, policy, namespace=job.namespace, fidelity=job.fidelity)
 
 
@@ -126,17 +152,23 @@ def map_engine_error(e: BaseException) -> errors.APIError:
     if isinstance(e, errors.APIError):
         return e
     if hasattr(e, "prompt_tokens") and hasattr(e, "max_context_len"):
-        requested = getattr(e, "requested", None) or getattr(e, "max_tokens", None)  # ours / ContextLengthError
+        requested = getattr(e, "requested", None) or getattr(
+            e, "max_tokens", None
+        )  # ours / ContextLengthError
         if requested:
             return errors.invalid_request(
                 f"This model's maximum context length is {e.max_context_len} tokens. However, you requested "
                 f"{e.prompt_tokens + requested} tokens ({e.prompt_tokens} in the messages, {requested} in the "
                 f"completion). Please reduce the length of the messages or completion.",
-                "messages", "context_length_exceeded")
+                "messages",
+                "context_length_exceeded",
+            )
         return errors.context_length_exceeded(int(e.prompt_tokens), int(e.max_context_len))
     if isinstance(e, SchedulerClosedError):
         return errors.unavailable(str(e))
-    if isinstance(e, ValueError):  # the engine's contract: ValueError = bad input, message names the limit
+    if isinstance(
+        e, ValueError
+    ):  # the engine's contract: ValueError = bad input, message names the limit
         return errors.invalid_request(str(e))
     log.error("generation failed", exc_info=e)
     return errors.internal_error()
@@ -178,7 +210,7 @@ class LocalStream:
                     # send what the client has not seen yet so stream and non-stream agree.
                     sent = "".join(streamed)
                     if ev.text.startswith(sent) and len(ev.text) > len(sent):
-                        yield Delta(ev.text[len(sent):], pending if entries is not None else None)
+                        yield Delta(ev.text[len(sent) :], pending if entries is not None else None)
                     final = _final(ev)
                     final.logprobs = entries
                     if self.warning and final.kvblend is not None:
@@ -193,8 +225,14 @@ class LocalStream:
 
 def _final(result: GenerationResult) -> Final:
     s = result.stats
-    return Final(result.finish_reason, s.prompt_tokens, len(result.token_ids), s.cached_tokens, result.text,
-                 s.as_dict())
+    return Final(
+        result.finish_reason,
+        s.prompt_tokens,
+        len(result.token_ids),
+        s.cached_tokens,
+        result.text,
+        s.as_dict(),
+    )
 
 
 class LocalBackend:
@@ -206,17 +244,26 @@ class LocalBackend:
         self.config = config
         self.id = entry.id
         self.created = int(time.time())
-        self.engine = engine  # given: tests' stand-in engines; None: built from ``entry`` in start()
+        self.engine = (
+            engine  # given: tests' stand-in engines; None: built from ``entry`` in start()
+        )
         self.scheduler: Scheduler | None = None
 
     def start(self) -> None:
         if self.engine is None:
-            from kvblend.engine.engine import create_engine  # heavy (torch); imported when serving only
+            from kvblend.engine.engine import (
+                create_engine,
+            )  # heavy (torch); imported when serving only
 
             self.engine = create_engine(self.entry.engine_config(), self.store)
         self.id = self.entry.id or self.engine.model_id
-        self.scheduler = Scheduler(self.engine, self.config.max_queue, self.config.max_batch,
-                                   self.config.retry_after_s, name=self.id).start()
+        self.scheduler = Scheduler(
+            self.engine,
+            self.config.max_queue,
+            self.config.max_batch,
+            self.config.retry_after_s,
+            name=self.id,
+        ).start()
 
     def close(self) -> None:
         if self.scheduler is not None:
@@ -230,8 +277,11 @@ class LocalBackend:
             return None
         live = controller.live_agreement()
         target = self.engine.config.blend.fidelity
-        return {"calibrated": controller.calibrated_agreement(target) if target is not None else None,
-                "live": live[0] if live else None, "live_n": live[1] if live else 0}
+        return {
+            "calibrated": controller.calibrated_agreement(target) if target is not None else None,
+            "live": live[0] if live else None,
+            "live_n": live[1] if live else 0,
+        }
 
     def queue_depth(self) -> int:
         return self.scheduler.queue_depth if self.scheduler else 0
@@ -256,8 +306,9 @@ class LocalBackend:
         check_token_ids(job.prompt, getattr(engine, "vocab_size", None))
         scheduler = self._scheduler()
         try:
-            req = await asyncio.to_thread(build_request, engine, job, config.default_max_tokens,
-                                          config.max_documents)
+            req = await asyncio.to_thread(
+                build_request, engine, job, config.default_max_tokens, config.max_documents
+            )
         except errors.APIError:
             raise
         except Exception as e:
@@ -289,18 +340,21 @@ class LocalBackend:
         engine = self.engine
         try:
             ids = await asyncio.to_thread(
-                lambda: [engine.segments(documents=[d], question="").chunk_ids[0]
-                         for d in documents])
+                lambda: [
+                    engine.segments(documents=[d], question="").chunk_ids[0] for d in documents
+                ]
+            )
         except Exception as e:
             raise map_engine_error(e) from None
         check_chunk_sizes(ids, getattr(engine, "max_chunk_tokens", lambda: None)())
         out: list[dict] = []
         step = self.config.precompute_slice
         for i in range(0, len(ids), step):
-            part = ids[i:i + step]
+            part = ids[i : i + step]
             try:
                 fut = self._scheduler().call(
-                    lambda e, part=part: list(e.precompute(part, namespace=namespace)))
+                    lambda e, part=part: list(e.precompute(part, namespace=namespace))
+                )
             except QueueFullError as e:
                 raise errors.queue_full(e.retry_after_s, e.depth) from None
             except SchedulerClosedError as e:

@@ -20,7 +20,9 @@ def create_backends(config: ServerConfig, store: KVStore) -> list[Backend]:
         elif entry.kind == "upstream":
             out.append(UpstreamBackend(entry, config))
         else:
-            raise ValueError(f"model {entry.id!r}: backend kind {entry.kind!r} is not implemented yet")
+            raise ValueError(
+                f"model {entry.id!r}: backend kind {entry.kind!r} is not implemented yet"
+            )
     return out
 
 

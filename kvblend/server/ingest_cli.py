@@ -20,12 +20,18 @@ TEXT_FIELDS = ("text", "content", "contents", "document")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="JSONL: one document per line")
-    p.add_argument("--url", help="a running kvblend server (e.g. http://127.0.0.1:8000); default: in-process")
+    p.add_argument(
+        "--url", help="a running kvblend server (e.g. http://127.0.0.1:8000); default: in-process"
+    )
     p.add_argument("--api-key", help="bearer key for --url (default: KVBLEND_CLIENT_API_KEY)")
     p.add_argument("--config", help="server config (in-process: model and store settings)")
     p.add_argument("--model", help="model id (default: the first configured model)")
-    p.add_argument("--namespace", default="", help="tenant namespace (in-process only; --url uses the key's)")
-    p.add_argument("--batch-size", type=int, default=16, help="documents per request / precompute call")
+    p.add_argument(
+        "--namespace", default="", help="tenant namespace (in-process only; --url uses the key's)"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=16, help="documents per request / precompute call"
+    )
     p.add_argument("--output", help="write one JSON line per document: id, num_tokens, cached, key")
 
 
@@ -41,9 +47,18 @@ def read_documents(path: Path) -> Iterator[dict]:
                 raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
             if isinstance(item, str):
                 item = {"text": item}
-            text = next((item[k] for k in TEXT_FIELDS if isinstance(item, dict) and isinstance(item.get(k), str)), None)
+            text = next(
+                (
+                    item[k]
+                    for k in TEXT_FIELDS
+                    if isinstance(item, dict) and isinstance(item.get(k), str)
+                ),
+                None,
+            )
             if not text:
-                raise ValueError(f"{path}:{n}: no non-empty text field (one of {', '.join(TEXT_FIELDS)})")
+                raise ValueError(
+                    f"{path}:{n}: no non-empty text field (one of {', '.join(TEXT_FIELDS)})"
+                )
             doc = {"text": text}
             if item.get("id") is not None:
                 doc["id"] = str(item["id"])
@@ -52,7 +67,7 @@ def read_documents(path: Path) -> Iterator[dict]:
 
 def _batches(items: list[dict], size: int) -> Iterator[list[dict]]:
     for i in range(0, len(items), size):
-        yield items[i:i + size]
+        yield items[i : i + size]
 
 
 def _remote(args, batches: Iterator[list[dict]]) -> Iterator[list[dict]]:
@@ -82,15 +97,19 @@ def _local(args, batches: Iterator[list[dict]]) -> Iterator[list[dict]]:
 
     from kvblend.engine.engine import create_engine
     from kvblend.server.backends import document_id
-    from kvblend.store.factory import create_store
     from kvblend.settings import load_server_config
+    from kvblend.store.factory import create_store
 
     config = load_server_config(args.config)
-    entries = [m for m in config.models if m.kind == "local" and (not args.model or m.id == args.model)]
+    entries = [
+        m for m in config.models if m.kind == "local" and (not args.model or m.id == args.model)
+    ]
     if not entries:
         raise ValueError(f"no local model {args.model!r} in the config")
     if config.store.tiers == ("memory",):
-        logging.getLogger(__name__).warning("the store is memory-only: ingested KV is lost when this command exits")
+        logging.getLogger(__name__).warning(
+            "the store is memory-only: ingested KV is lost when this command exits"
+        )
     store = create_store(config.store)
     engine = create_engine(entries[0].engine_config(), store)
     try:
@@ -128,5 +147,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if out:
             out.close()
-    print(f"ingested {len(docs)} documents ({tokens} tokens): {new} computed, {len(docs) - new} already stored")
+    print(
+        f"ingested {len(docs)} documents ({tokens} tokens): {new} computed, {len(docs) - new} already stored"
+    )
     return 0

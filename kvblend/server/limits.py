@@ -57,9 +57,11 @@ class GateMiddleware:
         lifecycle: Lifecycle = self.state.lifecycle
         try:
             if lifecycle.draining:
-                raise errors.unavailable("The server is shutting down and accepts no new "
-                                         "requests; retry on another replica.",
-                                         self.state.config.retry_after_s)
+                raise errors.unavailable(
+                    "The server is shutting down and accepts no new "
+                    "requests; retry on another replica.",
+                    self.state.config.retry_after_s,
+                )
             authenticate(self.state.auth, Request(scope), anthropic)
             if scope.get("method") in ("POST", "PUT", "PATCH"):
                 body = await _read_body(scope, receive, self.state.config.max_body_bytes)
@@ -94,8 +96,13 @@ def has_valid_key(state, request: Request) -> bool:
 
 
 def too_large(limit: int) -> errors.APIError:
-    return errors.APIError(413, f"The request body exceeds this server's limit of {limit} bytes "
-                           "(max_body_bytes).", "invalid_request_error", None, "request_too_large")
+    return errors.APIError(
+        413,
+        f"The request body exceeds this server's limit of {limit} bytes (max_body_bytes).",
+        "invalid_request_error",
+        None,
+        "request_too_large",
+    )
 
 
 async def _read_body(scope, receive, limit: int) -> bytes:
@@ -119,26 +126,39 @@ async def _read_body(scope, receive, limit: int) -> bytes:
 def check_json_object(body: bytes) -> None:
     """400 unless ``body`` is one JSON object; RecursionError (deep nesting) is bad input."""
     if not body.strip():
-        raise errors.invalid_request("The request body is empty; send a JSON object with the "
-                                     "request's parameters (Content-Type: application/json).",
-                                     None, "empty_body")
+        raise errors.invalid_request(
+            "The request body is empty; send a JSON object with the "
+            "request's parameters (Content-Type: application/json).",
+            None,
+            "empty_body",
+        )
     try:
         data = json.loads(body)
     except RecursionError:
-        raise errors.invalid_request("The JSON body is nested too deeply to parse.", None,
-                                     "json_too_deep") from None
+        raise errors.invalid_request(
+            "The JSON body is nested too deeply to parse.", None, "json_too_deep"
+        ) from None
     except ValueError:
-        raise errors.invalid_request("We could not parse the JSON body of your request. (HINT: "
-                                     "This likely means you aren't using your HTTP library "
-                                     "correctly.)",
-                                     None, "invalid_json") from None
+        raise errors.invalid_request(
+            "We could not parse the JSON body of your request. (HINT: "
+            "This likely means you aren't using your HTTP library "
+            "correctly.)",
+            None,
+            "invalid_json",
+        ) from None
     if not isinstance(data, dict):
-        raise errors.invalid_request("The request body must be a JSON object, not "
-                                     f"{type(data).__name__}.", None, "invalid_body")
+        raise errors.invalid_request(
+            f"The request body must be a JSON object, not {type(data).__name__}.",
+            None,
+            "invalid_body",
+        )
     if _SURROGATE_ESCAPE.search(body) and _has_lone_surrogate(data):
         # JSON may escape half a UTF-16 pair; no tokenizer or UTF-8 response can carry one
-        raise errors.invalid_request("The request contains invalid Unicode (an unpaired surrogate "
-                                     "escape such as \\ud800).", None, "invalid_unicode")
+        raise errors.invalid_request(
+            "The request contains invalid Unicode (an unpaired surrogate escape such as \\ud800).",
+            None,
+            "invalid_unicode",
+        )
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -188,6 +208,7 @@ async def _respond(e: errors.APIError, anthropic: bool, scope, receive, send) ->
 
 # --- checks routes and backends share ------------------------------------------------------------
 
+
 def check_token_ids(prompt, vocab_size: int | None, param: str = "prompt") -> None:
     """Token-id prompts: every id in [0, vocab_size), else 400 naming the first bad position."""
     if not isinstance(prompt, list) or not prompt or not isinstance(prompt[0], int):
@@ -195,17 +216,23 @@ def check_token_ids(prompt, vocab_size: int | None, param: str = "prompt") -> No
     limit = min(vocab_size or MAX_TOKEN_ID + 1, MAX_TOKEN_ID + 1)
     for i, t in enumerate(prompt):
         if not 0 <= t < limit:
-            raise errors.invalid_request(f"Invalid token id {t} at {param}[{i}]: token ids must be "
-                                         f"in [0, {limit - 1}] for this model.", f"{param}[{i}]",
-                                         "invalid_token_id")
+            raise errors.invalid_request(
+                f"Invalid token id {t} at {param}[{i}]: token ids must be "
+                f"in [0, {limit - 1}] for this model.",
+                f"{param}[{i}]",
+                "invalid_token_id",
+            )
 
 
 def check_num_documents(num: int, limit: int, param: str = "documents") -> None:
     if num > limit:
-        raise errors.invalid_request(f"Too many documents/chunks in one request: {num}; this "
-                                     f"server accepts at most {limit} (max_documents). Split the "
-                                     "request.",
-                                     param, "too_many_documents")
+        raise errors.invalid_request(
+            f"Too many documents/chunks in one request: {num}; this "
+            f"server accepts at most {limit} (max_documents). Split the "
+            "request.",
+            param,
+            "too_many_documents",
+        )
 
 
 def check_chunk_sizes(chunk_ids: list[list[int]], max_tokens: int | None) -> None:
@@ -219,7 +246,9 @@ def check_chunk_sizes(chunk_ids: list[list[int]], max_tokens: int | None) -> Non
                 f"documents[{i}] is {len(ids)} tokens; its KV would exceed every store tier's "
                 f"budget (at most {max_tokens} tokens fit). Split it, or raise store.memory_bytes "
                 "/ store.disk_bytes.",
-                f"documents[{i}]", "chunk_too_large")
+                f"documents[{i}]",
+                "chunk_too_large",
+            )
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -167,11 +167,16 @@ class _FidelityCollector(Collector):
         self.fidelity_stats = fidelity_stats
 
     def collect(self) -> Iterable:
-        agreement = GaugeMetricFamily("kvblend_fidelity_agreement",
-                                      "First-token agreement with full prefill (source: calibration | shadow)",
-                                      labels=["model", "source"])
-        shadows = GaugeMetricFamily("kvblend_fidelity_shadow_prefills",
-                                    "Shadow full prefills that measured the live agreement", labels=["model"])
+        agreement = GaugeMetricFamily(
+            "kvblend_fidelity_agreement",
+            "First-token agreement with full prefill (source: calibration | shadow)",
+            labels=["model", "source"],
+        )
+        shadows = GaugeMetricFamily(
+            "kvblend_fidelity_shadow_prefills",
+            "Shadow full prefills that measured the live agreement",
+            labels=["model"],
+        )
         try:
             stats = self.fidelity_stats()
         except Exception:  # a scrape never fails on this

@@ -19,20 +19,39 @@ from fastapi.openapi.utils import get_openapi
 
 from kvblend.server.schemas import ChatCompletion, Completion, ErrorResponse
 
-GENERATING = {"/v1/chat/completions": ChatCompletion, "/v1/completions": Completion,
-              "/v1/messages": None}
-_ERRORS = {400: "Invalid request (the body, a parameter, or the context length)",
-           401: "Missing or wrong API key", 404: "Unknown model or path",
-           413: "Request body over max_body_bytes",
-           429: "Queue full; retry after Retry-After seconds", 500: "Internal error",
-           502: "An upstream model's service failed", 503: "Loading, or draining for shutdown",
-           504: "An upstream model's service timed out"}
-_ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
-    "type": {"type": "string", "enum": ["error"]},
-    "error": {"type": "object", "required": ["type", "message"],
-              "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}}
-_SSE_EVENT = {"type": "object", "description": "One server-sent event: data is JSON or [DONE]",
-              "properties": {name: {"type": "string"} for name in ("event", "data", "id")}}
+GENERATING = {
+    "/v1/chat/completions": ChatCompletion,
+    "/v1/completions": Completion,
+    "/v1/messages": None,
+}
+_ERRORS = {
+    400: "Invalid request (the body, a parameter, or the context length)",
+    401: "Missing or wrong API key",
+    404: "Unknown model or path",
+    413: "Request body over max_body_bytes",
+    429: "Queue full; retry after Retry-After seconds",
+    500: "Internal error",
+    502: "An upstream model's service failed",
+    503: "Loading, or draining for shutdown",
+    504: "An upstream model's service timed out",
+}
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"type": "string", "enum": ["error"]},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
+_SSE_EVENT = {
+    "type": "object",
+    "description": "One server-sent event: data is JSON or [DONE]",
+    "properties": {name: {"type": "string"} for name in ("event", "data", "id")},
+}
 
 
 def install_openapi(app) -> None:
@@ -43,8 +62,9 @@ def _schema(app) -> dict:
     if app.openapi_schema is None:
         from kvblend.server.anthropic import MessagesRequest  # imports app modules: keep it lazy
 
-        schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                             routes=app.routes)
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         _add_model(components, MessagesRequest)
         _add_model(components, ErrorResponse)
@@ -56,7 +76,8 @@ def _schema(app) -> dict:
         _limit_documents(components, app.state.kvblend.config.max_documents)
         schema["components"]["securitySchemes"] = {
             "bearerAuth": {"type": "http", "scheme": "bearer"},
-            "apiKeyHeader": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+            "apiKeyHeader": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+        }
         for path, item in schema.get("paths", {}).items():
             for method, op in item.items():
                 _fix_operation(path, method, op)
@@ -114,17 +135,25 @@ def _fix_operation(path: str, method: str, op: dict[str, Any]) -> None:
     if path in GENERATING:
         codes += [502, 504]
     for code in sorted(codes):
-        responses[str(code)] = {"description": _ERRORS[code],
-                                "content": {"application/json": {"schema": error}}}
+        responses[str(code)] = {
+            "description": _ERRORS[code],
+            "content": {"application/json": {"schema": error}},
+        }
     if path in GENERATING:
         if anthropic:
-            op["requestBody"] = {"required": True, "content": {
-                "application/json": {"schema": _ref("MessagesRequest")}}}
+            op["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": _ref("MessagesRequest")}},
+            }
             body: dict = {"type": "object", "description": "An Anthropic Messages API message"}
         else:
             body = _ref(GENERATING[path].__name__)
         end = "message_stop" if anthropic else "data: [DONE]"
         text = f"The answer; with stream: true, server-sent events ending in {end} (or an error)"
-        responses["200"] = {"description": text,
-                            "content": {"application/json": {"schema": body},
-                                        "text/event-stream": {"schema": _SSE_EVENT}}}
+        responses["200"] = {
+            "description": text,
+            "content": {
+                "application/json": {"schema": body},
+                "text/event-stream": {"schema": _SSE_EVENT},
+            },
+        }

@@ -24,8 +24,11 @@ def _valid_selection(text: str) -> str:
 
 # blend's token selection (kvblend.policy.Selection), or "lookahead:N"
 SELECTION_PATTERN = r"^(deviation|query|auto|lookahead(:[0-9]{1,4})?)$"
-Selection = Annotated[str, AfterValidator(_valid_selection),
-                      WithJsonSchema({"type": "string", "pattern": SELECTION_PATTERN})]
+Selection = Annotated[
+    str,
+    AfterValidator(_valid_selection),
+    WithJsonSchema({"type": "string", "pattern": SELECTION_PATTERN}),
+]
 
 
 class _Request(BaseModel):
@@ -78,7 +81,9 @@ class _Sampling(_Request):
     mode: Mode | None = None
     recompute_ratio: float | None = Field(default=None, ge=0, le=1)
     selection: Selection | None = None
-    fidelity: float | None = Field(default=None, gt=0, le=1)  # target first-token agreement with full
+    fidelity: float | None = Field(
+        default=None, gt=0, le=1
+    )  # target first-token agreement with full
 
 
 class ChatCompletionRequest(_Sampling):
@@ -110,6 +115,7 @@ class ChunksRequest(_Request):
 
 # --- responses ---------------------------------------------------------------------------------
 
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
@@ -119,7 +125,9 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-    kvblend: dict[str, Any] | None = None  # PrefillStats.as_dict(): where each prompt token's KV came from
+    kvblend: dict[str, Any] | None = (
+        None  # PrefillStats.as_dict(): where each prompt token's KV came from
+    )
 
 
 class AssistantMessage(BaseModel):
@@ -192,7 +200,9 @@ class ChunksResponse(BaseModel):
 class Health(BaseModel):
     status: str  # "ok", or "degraded" when an upstream model's service is unreachable
     models: list[str]
-    upstreams: dict[str, dict[str, Any]] | None = None  # upstream id -> reachable, status, latency_ms / error
+    upstreams: dict[str, dict[str, Any]] | None = (
+        None  # upstream id -> reachable, status, latency_ms / error
+    )
     # local model id -> {"kernel": "amx" | "avx512bf16" | "avx2" | "torch", "reason": why not the CPU's best
     # native build, or None}
     attention: dict[str, dict[str, Any]] | None = None

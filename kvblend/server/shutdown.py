@@ -41,8 +41,11 @@ class DrainingServer(uvicorn.Server):
             self._captured_signals.append(sig)  # re-raised by uvicorn once it has shut down
             self.app_state.lifecycle.draining = True
             self._deadline = time.monotonic() + self.drain_timeout_s
-            log.info("shutdown requested: draining %d request(s) for up to %gs",
-                     self.app_state.lifecycle.inflight, self.drain_timeout_s)
+            log.info(
+                "shutdown requested: draining %d request(s) for up to %gs",
+                self.app_state.lifecycle.inflight,
+                self.drain_timeout_s,
+            )
             return
         super().handle_exit(sig, frame)
 
@@ -56,8 +59,10 @@ class DrainingServer(uvicorn.Server):
                 else:
                     self._ended = True
                     self._deadline = time.monotonic() + END_GRACE_S
-                    log.warning("drain timeout: ending %d request(s) with an error event",
-                                self.app_state.lifecycle.inflight)
+                    log.warning(
+                        "drain timeout: ending %d request(s) with an error event",
+                        self.app_state.lifecycle.inflight,
+                    )
                     await asyncio.to_thread(_stop_backends, self.app_state)
         return await super().on_tick(counter)
 
@@ -81,6 +86,11 @@ def _stop_backends(state) -> None:
 def serve(app, config, log_level: str = "info", sockets: list | None = None) -> None:
     """``uvicorn.run`` with the drain above (``config`` is the ServerConfig); ``sockets``: already
     bound listening sockets (the CLI binds before loading weights)."""
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                               timeout_graceful_shutdown=int(END_GRACE_S) + 2)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=int(END_GRACE_S) + 2,
+    )
     DrainingServer(uv_config, app.state.kvblend, config.drain_timeout_s).run(sockets=sockets)

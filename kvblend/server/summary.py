@@ -13,9 +13,11 @@ def describe_backend(backend) -> str:
         return f"{backend.id}: upstream {getattr(backend, 'base_url', '')}"
     model_cfg = engine.config.model
     blend = engine.config.blend
-    return (f"{backend.id}: {model_cfg.dtype} on {model_cfg.device}, attention "
-            f"{engine.attention_kernel}, {blend.mode}@{blend.recompute_ratio:g} ({blend.selection}), "
-            f"context {engine.max_context_len}")
+    return (
+        f"{backend.id}: {model_cfg.dtype} on {model_cfg.device}, attention "
+        f"{engine.attention_kernel}, {blend.mode}@{blend.recompute_ratio:g} ({blend.selection}), "
+        f"context {engine.max_context_len}"
+    )
 
 
 def startup_summary(config: ServerConfig, backends, url: str) -> str:

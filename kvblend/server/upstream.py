@@ -61,8 +61,12 @@ class UpstreamBackend:
 
     owned_by = "upstream"
 
-    def __init__(self, entry: ModelEntry, config: ServerConfig | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(
+        self,
+        entry: ModelEntry,
+        config: ServerConfig | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
         self.entry = entry
         self.config = config
         self.id = entry.id
@@ -70,7 +74,9 @@ class UpstreamBackend:
         self.base_url = entry.base_url.rstrip("/")
         parts = urlsplit(self.base_url)
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.host = f"{parts.hostname}:{port}"  # never userinfo: a key in the URL must not leak into errors
+        self.host = (
+            f"{parts.hostname}:{port}"  # never userinfo: a key in the URL must not leak into errors
+        )
         self.upstream_model = entry.upstream_model or entry.id
         self._transport = transport  # tests: httpx.MockTransport
         self._key = ""
@@ -90,8 +96,10 @@ class UpstreamBackend:
             self._key = read_secret_env(self.entry.api_key_env)
             self._redactor = Redactor(self._key)
             if not self._key:
-                raise ValueError(f"model {self.id!r}: environment variable {self.entry.api_key_env} "
-                                 "(its api_key_env) is not set or empty")
+                raise ValueError(
+                    f"model {self.id!r}: environment variable {self.entry.api_key_env} "
+                    "(its api_key_env) is not set or empty"
+                )
 
     def close(self) -> None:
         client, self._client = self._client, None
@@ -99,7 +107,9 @@ class UpstreamBackend:
             return
         try:
             asyncio.get_running_loop().create_task(client.aclose())
-        except RuntimeError:  # no loop (tests calling close() directly): nothing pooled can be in use
+        except (
+            RuntimeError
+        ):  # no loop (tests calling close() directly): nothing pooled can be in use
             pass
 
     def queue_depth(self) -> int:
@@ -109,16 +119,24 @@ class UpstreamBackend:
         return self._inflight
 
     async def precompute(self, documents: list[str], namespace: str) -> list[dict]:
-        raise errors.invalid_request(f"model {self.id!r} is served by an upstream; /v1/chunks precomputes "
-                                     "documents for local models only.", "model", "unsupported_for_upstream")
+        raise errors.invalid_request(
+            f"model {self.id!r} is served by an upstream; /v1/chunks precomputes "
+            "documents for local models only.",
+            "model",
+            "unsupported_for_upstream",
+        )
 
     # --- HTTP --------------------------------------------------------------------------------------
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            timeout = httpx.Timeout(self.entry.timeout_s, connect=min(CONNECT_TIMEOUT_S, self.entry.timeout_s))
+            timeout = httpx.Timeout(
+                self.entry.timeout_s, connect=min(CONNECT_TIMEOUT_S, self.entry.timeout_s)
+            )
             # trust_env=False: kvblend reads the environment only in kvblend/config.py (no proxy surprises).
-            self._client = httpx.AsyncClient(timeout=timeout, transport=self._transport, trust_env=False)
+            self._client = httpx.AsyncClient(
+                timeout=timeout, transport=self._transport, trust_env=False
+            )
         return self._client
 
     def _headers(self, stream: bool) -> dict[str, str]:
@@ -133,13 +151,18 @@ class UpstreamBackend:
         attempts = 1 + self.entry.retries
         last: Exception | None = None
         for attempt in range(attempts):
-            req = client.build_request("POST", self.base_url + path, json=body, headers=self._headers(stream))
+            req = client.build_request(
+                "POST", self.base_url + path, json=body, headers=self._headers(stream)
+            )
             try:
                 return await client.send(req, stream=stream)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # nothing was sent: safe to retry
+            except (
+                httpx.ConnectError,
+                httpx.ConnectTimeout,
+            ) as e:  # nothing was sent: safe to retry
                 last = e
                 if attempt + 1 < attempts:
-                    await asyncio.sleep(min(0.1 * 2 ** attempt, 1.0))
+                    await asyncio.sleep(min(0.1 * 2**attempt, 1.0))
             except httpx.TimeoutException as e:
                 raise self.timeout_error(e) from None
             except httpx.HTTPError as e:
@@ -153,50 +176,99 @@ class UpstreamBackend:
     def unreachable_error(self, exc: BaseException | None, attempts: int = 1) -> errors.APIError:
         tries = f" after {attempts} attempts" if attempts > 1 else ""
         why = self._redact(_reason(exc))
-        return errors.APIError(502, f"{self.label} is unreachable: {why}{tries}.", "server_error",
-                               None, "upstream_unreachable")
+        return errors.APIError(
+            502,
+            f"{self.label} is unreachable: {why}{tries}.",
+            "server_error",
+            None,
+            "upstream_unreachable",
+        )
 
     def timeout_error(self, exc: BaseException | None, attempts: int = 1) -> errors.APIError:
         what = "connecting" if isinstance(exc, httpx.ConnectTimeout) else "waiting for a response"
         tries = f" ({attempts} attempts)" if attempts > 1 else ""
-        limit = min(CONNECT_TIMEOUT_S, self.entry.timeout_s) if isinstance(exc, httpx.ConnectTimeout) \
+        limit = (
+            min(CONNECT_TIMEOUT_S, self.entry.timeout_s)
+            if isinstance(exc, httpx.ConnectTimeout)
             else self.entry.timeout_s
-        return errors.APIError(504, f"{self.label} timed out {what} (limit {limit:g}s){tries}.", "server_error",
-                               None, "upstream_timeout")
+        )
+        return errors.APIError(
+            504,
+            f"{self.label} timed out {what} (limit {limit:g}s){tries}.",
+            "server_error",
+            None,
+            "upstream_timeout",
+        )
 
     def transport_error(self, exc: BaseException) -> errors.APIError:
         why = self._redact(_reason(exc))
-        return errors.APIError(502, f"{self.label} failed mid-request: {why}.", "server_error",
-                               None, "upstream_error")
+        return errors.APIError(
+            502, f"{self.label} failed mid-request: {why}.", "server_error", None, "upstream_error"
+        )
 
-    def status_error(self, status: int, content: bytes, headers: httpx.Headers | dict) -> errors.APIError:
+    def status_error(
+        self, status: int, content: bytes, headers: httpx.Headers | dict
+    ) -> errors.APIError:
         """An upstream HTTP error status -> the error the gateway's client gets (see the module table)."""
         msg, param, code = _upstream_error(content, self._redact)  # masked before it is cut short
         detail = f"HTTP {status}: {msg}" if msg else f"HTTP {status}"
         retry = {"Retry-After": headers["retry-after"]} if "retry-after" in headers else {}
         if status in (401, 403):
-            where = (f"the key in environment variable {self.entry.api_key_env}" if self.entry.api_key_env
-                     else "no key (api_key_env is not set for this model)")
-            return errors.APIError(502, f"{self.label} rejected the gateway's credentials ({detail}). The gateway "
-                                   f"sent {where}; fix it in the gateway's configuration.", "server_error", None,
-                                   "upstream_auth_failed")
+            where = (
+                f"the key in environment variable {self.entry.api_key_env}"
+                if self.entry.api_key_env
+                else "no key (api_key_env is not set for this model)"
+            )
+            return errors.APIError(
+                502,
+                f"{self.label} rejected the gateway's credentials ({detail}). The gateway "
+                f"sent {where}; fix it in the gateway's configuration.",
+                "server_error",
+                None,
+                "upstream_auth_failed",
+            )
         if status == 404:
-            return errors.APIError(502, f"{self.label} answered 404 for model {self.upstream_model!r} ({detail}). "
-                                   "Check upstream_model and base_url in the gateway's configuration.",
-                                   "server_error", None, "upstream_model_not_found")
+            return errors.APIError(
+                502,
+                f"{self.label} answered 404 for model {self.upstream_model!r} ({detail}). "
+                "Check upstream_model and base_url in the gateway's configuration.",
+                "server_error",
+                None,
+                "upstream_model_not_found",
+            )
         if status == 429:
-            return errors.APIError(429, f"{self.label} is rate limiting requests ({detail}).", "rate_limit_error",
-                                   None, "upstream_rate_limited", retry)
+            return errors.APIError(
+                429,
+                f"{self.label} is rate limiting requests ({detail}).",
+                "rate_limit_error",
+                None,
+                "upstream_rate_limited",
+                retry,
+            )
         if status in (400, 413, 422):
-            return errors.APIError(400, f"{self.label} rejected the request ({detail}).", "invalid_request_error",
-                                   param, code or "upstream_bad_request")
+            return errors.APIError(
+                400,
+                f"{self.label} rejected the request ({detail}).",
+                "invalid_request_error",
+                param,
+                code or "upstream_bad_request",
+            )
         if status == 503:
-            return errors.APIError(503, f"{self.label} is unavailable ({detail}).", "server_error", None,
-                                   "upstream_unavailable", retry or {"Retry-After": "1"})
+            return errors.APIError(
+                503,
+                f"{self.label} is unavailable ({detail}).",
+                "server_error",
+                None,
+                "upstream_unavailable",
+                retry or {"Retry-After": "1"},
+            )
         if status in (408, 504):
-            return errors.APIError(504, f"{self.label} timed out ({detail}).", "server_error", None,
-                                   "upstream_timeout")
-        return errors.APIError(502, f"{self.label} failed ({detail}).", "server_error", None, "upstream_error")
+            return errors.APIError(
+                504, f"{self.label} timed out ({detail}).", "server_error", None, "upstream_timeout"
+            )
+        return errors.APIError(
+            502, f"{self.label} failed ({detail}).", "server_error", None, "upstream_error"
+        )
 
     def _redact(self, text: str) -> str:
         return self._redactor.text(text)
@@ -209,7 +281,9 @@ class UpstreamBackend:
         try:
             body = json.loads(await request.body())
         except ValueError:
-            raise errors.invalid_request("We could not parse the JSON body of your request.") from None
+            raise errors.invalid_request(
+                "We could not parse the JSON body of your request."
+            ) from None
         if not isinstance(body, dict):
             raise errors.invalid_request("The request body must be a JSON object.")
         body["model"] = self.upstream_model
@@ -235,8 +309,11 @@ class UpstreamBackend:
                 await resp.aclose()
                 self._inflight -= 1
             raise self.status_error(resp.status_code, content, resp.headers)
-        return StreamingResponse(self._relay(resp, t0, metrics), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            self._relay(resp, t0, metrics),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     def _json_response(self, status: int, content: bytes, headers, metrics) -> Response:
         if status >= 400:
@@ -244,14 +321,21 @@ class UpstreamBackend:
         try:
             obj = json.loads(content)
         except ValueError:
-            raise errors.APIError(502, f"{self.label} returned a body that is not JSON (HTTP {status}).",
-                                  "server_error", None, "upstream_error") from None
+            raise errors.APIError(
+                502,
+                f"{self.label} returned a body that is not JSON (HTTP {status}).",
+                "server_error",
+                None,
+                "upstream_error",
+            ) from None
         obj = self._redactor.obj(obj)  # no byte of the upstream key goes back, whatever field
         if isinstance(obj, dict):
             if "model" in obj:
                 obj["model"] = self.id
             if metrics is not None and isinstance(obj.get("usage"), dict):
-                metrics.observe_generation(self.id, None, int(obj["usage"].get("completion_tokens") or 0))
+                metrics.observe_generation(
+                    self.id, None, int(obj["usage"].get("completion_tokens") or 0)
+                )
         return JSONResponse(obj, status_code=status)
 
     async def _relay(self, resp: httpx.Response, t0: float, metrics) -> AsyncIterator[str]:
@@ -287,7 +371,9 @@ class UpstreamBackend:
         except httpx.HTTPError as e:
             yield _sse_error(self.transport_error(e))
         finally:
-            await resp.aclose()  # also when the client left: the upstream sees the disconnect and stops
+            await (
+                resp.aclose()
+            )  # also when the client left: the upstream sees the disconnect and stops
             self._inflight -= 1
             if metrics is not None and usage:
                 metrics.observe_generation(self.id, None, int(usage.get("completion_tokens") or 0))
@@ -301,8 +387,12 @@ class UpstreamBackend:
             body["messages"] = job.messages
         else:
             body["prompt"] = job.prompt if job.prompt is not None else ""
-        body.update(stream=True, stream_options={"include_usage": True}, temperature=job.temperature,
-                    top_p=job.top_p)
+        body.update(
+            stream=True,
+            stream_options={"include_usage": True},
+            temperature=job.temperature,
+            top_p=job.top_p,
+        )
         if job.max_tokens:
             body["max_tokens"] = job.max_tokens
         if job.stop:
@@ -321,7 +411,9 @@ class UpstreamBackend:
             body["selection"] = job.selection
         self._inflight += 1
         try:
-            resp = await self._send("/chat/completions" if chat else "/completions", body, stream=True)
+            resp = await self._send(
+                "/chat/completions" if chat else "/completions", body, stream=True
+            )
             if resp.status_code >= 400:
                 try:
                     content = await resp.aread()
@@ -345,9 +437,13 @@ class UpstreamBackend:
         """A non-streamed chat / completion body, masked; 502 if it is not one."""
         obj = _json_or_none(content.decode("utf-8", "replace")) if content else None
         if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
-            raise errors.APIError(502, f"{self.label} returned neither an event stream nor a "
-                                  f"completion (HTTP {status}).", "server_error", None,
-                                  "upstream_error")
+            raise errors.APIError(
+                502,
+                f"{self.label} returned neither an event stream nor a completion (HTTP {status}).",
+                "server_error",
+                None,
+                "upstream_error",
+            )
         return self._redactor.obj(obj)
 
     # --- health ------------------------------------------------------------------------------------
@@ -358,13 +454,20 @@ class UpstreamBackend:
         if self._health is not None and now - self._health[0] < HEALTH_CACHE_S:
             return self._health[1]
         t0 = time.perf_counter()
-        out: dict[str, Any] = {"base_url": f"{urlsplit(self.base_url).scheme}://{self.host}",
-                               "model": self.upstream_model}
+        out: dict[str, Any] = {
+            "base_url": f"{urlsplit(self.base_url).scheme}://{self.host}",
+            "model": self.upstream_model,
+        }
         try:
-            r = await self._http().get(self.base_url + "/models", headers=self._headers(False),
-                                       timeout=HEALTH_TIMEOUT_S)
-            out.update(reachable=True, status=r.status_code, auth_ok=r.status_code not in (401, 403),
-                       latency_ms=round((time.perf_counter() - t0) * 1000, 1))
+            r = await self._http().get(
+                self.base_url + "/models", headers=self._headers(False), timeout=HEALTH_TIMEOUT_S
+            )
+            out.update(
+                reachable=True,
+                status=r.status_code,
+                auth_ok=r.status_code not in (401, 403),
+                latency_ms=round((time.perf_counter() - t0) * 1000, 1),
+            )
         except httpx.TimeoutException:
             out.update(reachable=False, error=f"no answer within {HEALTH_TIMEOUT_S:g}s")
         except httpx.HTTPError as e:
@@ -376,14 +479,17 @@ class UpstreamBackend:
 class UpstreamStream:
     """One streamed upstream chat/completion as ``Delta`` events and a closing ``Final``."""
 
-    def __init__(self, backend: UpstreamBackend, resp: httpx.Response, chat: bool,
-                 body: dict | None = None):
+    def __init__(
+        self, backend: UpstreamBackend, resp: httpx.Response, chat: bool, body: dict | None = None
+    ):
         self.backend = backend
         self._resp = resp
         self._chat = chat
         self._body = body  # the whole answer, when the upstream did not stream
         self._done = False
-        self.matched_stop: str | None = None  # vLLM-style choices[0].stop_reason, when the upstream sends it
+        self.matched_stop: str | None = (
+            None  # vLLM-style choices[0].stop_reason, when the upstream sends it
+        )
 
     def _finish(self) -> None:
         if not self._done:
@@ -417,13 +523,20 @@ class UpstreamStream:
                 if not isinstance(obj, dict):
                     continue
                 if isinstance(obj.get("error"), dict):
-                    raise errors.APIError(502, f"{b.label} failed mid-stream: "
-                                          f"{b._redact(str(obj['error'].get('message', '')))}", "server_error",
-                                          None, "upstream_error")
+                    raise errors.APIError(
+                        502,
+                        f"{b.label} failed mid-stream: "
+                        f"{b._redact(str(obj['error'].get('message', '')))}",
+                        "server_error",
+                        None,
+                        "upstream_error",
+                    )
                 if isinstance(obj.get("usage"), dict):
                     usage = obj["usage"]
                 for c in obj.get("choices") or []:
-                    piece = ((c.get("delta") or {}).get("content") if self._chat else c.get("text")) or ""
+                    piece = (
+                        (c.get("delta") or {}).get("content") if self._chat else c.get("text")
+                    ) or ""
                     if piece:
                         chunks += 1
                         text.append(piece)
@@ -441,10 +554,14 @@ class UpstreamStream:
             await self._resp.aclose()
         u = usage or {}
         details = u.get("prompt_tokens_details") or {}
-        yield Final(finish or "stop", int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or chunks),
-                    int(details.get("cached_tokens") or 0), "".join(text),
-                    u.get("kvblend") if isinstance(u.get("kvblend"), dict) else None)
-
+        yield Final(
+            finish or "stop",
+            int(u.get("prompt_tokens") or 0),
+            int(u.get("completion_tokens") or chunks),
+            int(details.get("cached_tokens") or 0),
+            "".join(text),
+            u.get("kvblend") if isinstance(u.get("kvblend"), dict) else None,
+        )
 
     async def _body_events(self) -> AsyncIterator[BackendEvent]:
         self._finish()
@@ -462,12 +579,18 @@ class UpstreamStream:
         u = obj.get("usage") if isinstance(obj.get("usage"), dict) else {}
         details = u.get("prompt_tokens_details") or {}
         completion = int(u.get("completion_tokens") or (1 if piece else 0))
-        yield Final(choice.get("finish_reason") or "stop", int(u.get("prompt_tokens") or 0),
-                    completion, int(details.get("cached_tokens") or 0), piece,
-                    u.get("kvblend") if isinstance(u.get("kvblend"), dict) else None)
+        yield Final(
+            choice.get("finish_reason") or "stop",
+            int(u.get("prompt_tokens") or 0),
+            completion,
+            int(details.get("cached_tokens") or 0),
+            piece,
+            u.get("kvblend") if isinstance(u.get("kvblend"), dict) else None,
+        )
 
 
 # --- helpers for the app -------------------------------------------------------------------------
+
 
 def upstream_for(state, model: str | None) -> UpstreamBackend | None:
     """The upstream backend ``model`` names, if any (None: let the app's normal path handle it)."""
@@ -499,8 +622,11 @@ def _reason(exc: BaseException | None) -> str:
     text = " ".join(str(e) for e in chain)
     if any(isinstance(e, ConnectionRefusedError) for e in chain) or "refused" in text.lower():
         return "connection refused"
-    if "name or service not known" in text.lower() or "nodename nor servname" in text.lower() \
-            or "temporary failure in name resolution" in text.lower():
+    if (
+        "name or service not known" in text.lower()
+        or "nodename nor servname" in text.lower()
+        or "temporary failure in name resolution" in text.lower()
+    ):
         return "host name not found (DNS)"
     if any(isinstance(e, httpx.RemoteProtocolError) for e in chain):
         return "the connection was closed unexpectedly"
@@ -539,7 +665,7 @@ class Redactor:
     def __init__(self, key: str):
         self.key = key
         n = min(self.WINDOW, len(key))
-        self._windows = {key[i:i + n] for i in range(len(key) - n + 1)} if key else set()
+        self._windows = {key[i : i + n] for i in range(len(key) - n + 1)} if key else set()
 
     def text(self, s: str) -> str:
         if not self.key or not s:
@@ -547,8 +673,11 @@ class Redactor:
         s = s.replace(self.key, self.MASK)
         if not any(w in s for w in self._windows):
             return s
-        return re.sub(r"\S+", lambda m: self.MASK if any(w in m.group(0) for w in self._windows)
-                      else m.group(0), s)
+        return re.sub(
+            r"\S+",
+            lambda m: self.MASK if any(w in m.group(0) for w in self._windows) else m.group(0),
+            s,
+        )
 
     def obj(self, value: Any) -> Any:
         if not self.key:

@@ -14,6 +14,7 @@ from kvblend.store.reader import KVReader, TensorReader
 
 __all__ = ["ChunkKV", "KVReader", "KVStore"]
 
+
 class KVStore(ABC):
     """Contract: ``get`` returns either the exact KV that was ``put`` under ``key`` or None (miss).
     A corrupt, truncated or unreachable entry is a miss, never an exception and never wrong KV.

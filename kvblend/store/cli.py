@@ -15,15 +15,29 @@ PERSISTENT_TIERS = ("disk", "redis")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=("stats", "ls", "clear"), help="what to do")
-    parser.add_argument("--config", default=None, help="the server's YAML/TOML config: use its store tiers")
+    parser.add_argument(
+        "--config", default=None, help="the server's YAML/TOML config: use its store tiers"
+    )
     parser.add_argument("--dir", default=None, help="disk tier directory (default: <cache dir>/kv)")
-    parser.add_argument("--redis-url", default=None,
-                        help="inspect this Redis too (default: the config's, or KVBLEND_REDIS_URL)")
-    parser.add_argument("--redis-prefix", default=None, help="key prefix in Redis (default: kvblend:)")
-    parser.add_argument("--tier", choices=("all", "disk", "redis"), default="all", help="restrict to one tier")
-    parser.add_argument("--verify", action="store_true",
-                        help="stats: read and checksum every entry (deletes corrupt ones)")
-    parser.add_argument("--limit", type=int, default=50, help="ls: at most this many keys per tier (0: all)")
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="inspect this Redis too (default: the config's, or KVBLEND_REDIS_URL)",
+    )
+    parser.add_argument(
+        "--redis-prefix", default=None, help="key prefix in Redis (default: kvblend:)"
+    )
+    parser.add_argument(
+        "--tier", choices=("all", "disk", "redis"), default="all", help="restrict to one tier"
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="stats: read and checksum every entry (deletes corrupt ones)",
+    )
+    parser.add_argument(
+        "--limit", type=int, default=50, help="ls: at most this many keys per tier (0: all)"
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -45,8 +59,11 @@ def store_config(args: argparse.Namespace):
             raise ValueError("--tier redis: this config has no Redis tier; pass --redis-url")
         tiers.append(args.tier)
     changes = {"tiers": tuple(tiers)}
-    for name, value in (("disk_dir", args.dir), ("redis_url", args.redis_url),
-                        ("redis_prefix", args.redis_prefix)):
+    for name, value in (
+        ("disk_dir", args.dir),
+        ("redis_url", args.redis_url),
+        ("redis_prefix", args.redis_prefix),
+    ):
         if value:
             changes[name] = value
     return dataclasses.replace(cfg, **changes)
@@ -81,8 +98,10 @@ def _table(rows: list[dict], cols: list[str]) -> str:
 def _memory_note(cfg) -> dict:
     from kvblend.store.describe import format_bytes
 
-    return {"note": f"budget {format_bytes(cfg.memory_bytes)}, inside the serving process "
-                    "(its counters: the server's /metrics)"}
+    return {
+        "note": f"budget {format_bytes(cfg.memory_bytes)}, inside the serving process "
+        "(its counters: the server's /metrics)"
+    }
 
 
 def _stats(tiers: dict, cfg, verify: bool) -> tuple[dict, list[dict], list[str]]:

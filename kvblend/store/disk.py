@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 SUFFIX = ".kvb"
 TMP_PREFIX = ".tmp-"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-STALE_TMP_S = 600  # older temp files are leftovers of a crashed writer; younger ones may be in flight
+STALE_TMP_S = (
+    600  # older temp files are leftovers of a crashed writer; younger ones may be in flight
+)
 
 
 class DiskStore(KVStore):
@@ -42,7 +44,9 @@ class DiskStore(KVStore):
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
         self._lru = LRUIndex(max_bytes)
-        self._lock = threading.Lock()  # guards the index and every unlink/rename, so both stay in step
+        self._lock = (
+            threading.Lock()
+        )  # guards the index and every unlink/rename, so both stay in step
         self._stats = TierStats()
         self._discarded = DiscardedKeys()
         self._scan()
@@ -153,9 +157,12 @@ class DiskStore(KVStore):
             self._stats.inc("misses")
             return None
         self._note_hit(key, size)
-        return BlobReader(header, lambda off, n: os.pread(fd, n, off),
-                          on_corrupt=lambda: self._discard_corrupt(key, "layer checksum"),
-                          on_close=lambda: os.close(fd))
+        return BlobReader(
+            header,
+            lambda off, n: os.pread(fd, n, off),
+            on_corrupt=lambda: self._discard_corrupt(key, "layer checksum"),
+            on_close=lambda: os.close(fd),
+        )
 
     def put(self, key: str, kv: ChunkKV) -> None:
         """Write atomically; a key already on disk with the same size is only touched (keys are
@@ -256,7 +263,9 @@ class DiskStore(KVStore):
     def stats(self) -> dict:
         with self._lock:
             entries, nbytes = len(self._lru), self._lru.nbytes
-        return self._stats.snapshot(entries=entries, bytes=nbytes, budget_bytes=self._lru.budget, dir=str(self.dir))
+        return self._stats.snapshot(
+            entries=entries, bytes=nbytes, budget_bytes=self._lru.budget, dir=str(self.dir)
+        )
 
     def check_integrity(self) -> None:
         """Index invariant, and every indexed file that exists has the indexed size."""
@@ -267,7 +276,9 @@ class DiskStore(KVStore):
                     actual = self.path(key).stat().st_size
                 except FileNotFoundError:
                     continue  # evicted by another process: the next read drops it from the index
-                assert actual == self._lru.size(key), f"disk tier: {key} is {actual} bytes, indexed {self._lru.size(key)}"
+                assert actual == self._lru.size(key), (
+                    f"disk tier: {key} is {actual} bytes, indexed {self._lru.size(key)}"
+                )
 
 
 def _unlink(path: str | os.PathLike) -> bool:

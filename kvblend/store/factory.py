@@ -21,9 +21,14 @@ def create_tier(name: str, cfg: StoreConfig) -> KVStore:
     if name == "redis":
         from kvblend.store.redis_store import RedisStore
 
-        return RedisStore(cfg.redis_url, prefix=cfg.redis_prefix, ttl_s=cfg.redis_ttl_s,
-                          socket_timeout_s=cfg.redis_socket_timeout_s, backoff_s=cfg.redis_backoff_s,
-                          backoff_max_s=cfg.redis_backoff_max_s)
+        return RedisStore(
+            cfg.redis_url,
+            prefix=cfg.redis_prefix,
+            ttl_s=cfg.redis_ttl_s,
+            socket_timeout_s=cfg.redis_socket_timeout_s,
+            backoff_s=cfg.redis_backoff_s,
+            backoff_max_s=cfg.redis_backoff_max_s,
+        )
     raise ValueError(f"unknown store tier {name!r}")
 
 

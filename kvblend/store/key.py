@@ -26,17 +26,32 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()
 
 
-def make_chunk_key(model_fingerprint: str, context_ids: Sequence[int], token_ids: Sequence[int], namespace: str = "") -> str:
+def make_chunk_key(
+    model_fingerprint: str,
+    context_ids: Sequence[int],
+    token_ids: Sequence[int],
+    namespace: str = "",
+) -> str:
     """Key of a chunk prefilled alone behind ``context_ids`` (whose own KV is dropped)."""
     return "chunk:" + _digest(
-        b"chunk", model_fingerprint.encode(), str(KV_LAYOUT_VERSION).encode(), namespace.encode(),
-        _ids_bytes(context_ids), _ids_bytes(token_ids),
+        b"chunk",
+        model_fingerprint.encode(),
+        str(KV_LAYOUT_VERSION).encode(),
+        namespace.encode(),
+        _ids_bytes(context_ids),
+        _ids_bytes(token_ids),
     )
 
 
-def make_prefix_key(model_fingerprint: str, parent_key: str | None, token_ids: Sequence[int], namespace: str = "") -> str:
+def make_prefix_key(
+    model_fingerprint: str, parent_key: str | None, token_ids: Sequence[int], namespace: str = ""
+) -> str:
     """Key of a segment prefilled in the exact context of all segments before it (chained)."""
     return "prefix:" + _digest(
-        b"prefix", model_fingerprint.encode(), str(KV_LAYOUT_VERSION).encode(), namespace.encode(),
-        (parent_key or "").encode(), _ids_bytes(token_ids),
+        b"prefix",
+        model_fingerprint.encode(),
+        str(KV_LAYOUT_VERSION).encode(),
+        namespace.encode(),
+        (parent_key or "").encode(),
+        _ids_bytes(token_ids),
     )

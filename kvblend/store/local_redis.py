@@ -34,8 +34,20 @@ class LocalRedisServer:
     def start(self, timeout: float = 10.0) -> "LocalRedisServer":
         """Spawn and return once it answers PING (polled; no guessed sleep). Raises RuntimeError."""
         self.proc = subprocess.Popen(
-            [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                self.executable,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + timeout
         while not self.ping():
             if self.proc.poll() is not None or time.monotonic() > deadline:

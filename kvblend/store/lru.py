@@ -62,4 +62,6 @@ class LRUIndex:
     def check(self) -> None:
         total = sum(self._sizes.values())
         assert total == self.nbytes, f"tracked bytes {self.nbytes} != sum of entries {total}"
-        assert self.nbytes <= self.budget, f"tracked bytes {self.nbytes} exceed budget {self.budget}"
+        assert self.nbytes <= self.budget, (
+            f"tracked bytes {self.nbytes} exceed budget {self.budget}"
+        )

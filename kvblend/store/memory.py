@@ -85,6 +85,10 @@ class MemoryStore(KVStore):
     def check_integrity(self) -> None:
         with self._lock:
             self._lru.check()
-            assert set(self._data) == set(self._lru.keys()), "memory tier: data and LRU index disagree"
+            assert set(self._data) == set(self._lru.keys()), (
+                "memory tier: data and LRU index disagree"
+            )
             actual = sum(kv.nbytes for kv in self._data.values())
-            assert actual == self._lru.nbytes, f"memory tier: entries hold {actual} bytes, tracked {self._lru.nbytes}"
+            assert actual == self._lru.nbytes, (
+                f"memory tier: entries hold {actual} bytes, tracked {self._lru.nbytes}"
+            )

@@ -43,7 +43,9 @@ class KVReader(ABC):
         shape = (self.kv_heads, self.seq_len, self.head_dim)
         for out in (k_out, v_out):
             if tuple(out.shape) != shape or out.dtype != self.dtype:  # caller bug: not a read error
-                raise ValueError(f"layer buffers must be {shape} {self.dtype}, got {tuple(out.shape)} {out.dtype}")
+                raise ValueError(
+                    f"layer buffers must be {shape} {self.dtype}, got {tuple(out.shape)} {out.dtype}"
+                )
         if k_out.device.type == "cpu" and v_out.device.type == "cpu":
             self.read_layer_bytes_into(layer, byte_view(k_out), byte_view(v_out))
         else:  # device buffers: read into host memory, then one transfer each
@@ -60,7 +62,9 @@ class KVReader(ABC):
 
     def read_all(self) -> ChunkKV:
         """Every layer, as one ChunkKV [layers, kv_heads, L, d]."""
-        k = torch.empty((self.num_layers, self.kv_heads, self.seq_len, self.head_dim), dtype=self.dtype)
+        k = torch.empty(
+            (self.num_layers, self.kv_heads, self.seq_len, self.head_dim), dtype=self.dtype
+        )
         v = torch.empty_like(k)
         for layer in range(self.num_layers):
             self.read_layer_into(layer, k[layer], v[layer])
@@ -113,8 +117,14 @@ class BlobReader(KVReader):
     ``on_corrupt`` runs once if a layer fails verification (the disk tier deletes the file there).
     """
 
-    def __init__(self, header: KVHeader, fetch: RangeFetch, *, on_corrupt: Callable[[], None] | None = None,
-                 on_close: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        header: KVHeader,
+        fetch: RangeFetch,
+        *,
+        on_corrupt: Callable[[], None] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ):
         self.header = header
         self.num_layers, self.kv_heads = header.num_layers, header.kv_heads
         self.seq_len, self.head_dim, self.dtype = header.seq_len, header.head_dim, header.dtype
@@ -125,7 +135,9 @@ class BlobReader(KVReader):
         self.failed = False  # a read raised KVReadError: the engine recomputes this entry
 
     def read_layer_bytes_into(self, layer: int, k_out: np.ndarray, v_out: np.ndarray) -> None:
-        if self._closed:  # the fd / connection behind ``fetch`` may already belong to something else
+        if (
+            self._closed
+        ):  # the fd / connection behind ``fetch`` may already belong to something else
             raise KVReadError("reader is closed")
         off, n = self.header.layer_span(layer)
         try:
@@ -135,7 +147,10 @@ class BlobReader(KVReader):
             self.failed = True
             self._corrupt()
             raise KVReadError(str(e)) from e
-        except (OSError, ValueError) as e:  # file closed / vanished, remote down (tiers map theirs to OSError)
+        except (
+            OSError,
+            ValueError,
+        ) as e:  # file closed / vanished, remote down (tiers map theirs to OSError)
             self.failed = True
             raise KVReadError(f"layer {layer}: {e}") from e
         self._collect(layer, raw)

@@ -23,7 +23,13 @@ from redis.retry import Retry
 
 from kvblend.store.base import ChunkKV, DiscardedKeys, KVStore
 from kvblend.store.reader import BlobReader, KVReader
-from kvblend.store.serializer import HEADER_PROBE, CorruptKVError, deserialize, read_header, serialize
+from kvblend.store.serializer import (
+    HEADER_PROBE,
+    CorruptKVError,
+    deserialize,
+    read_header,
+    serialize,
+)
 from kvblend.store.stats import TierStats
 
 log = logging.getLogger(__name__)
@@ -37,13 +43,25 @@ class RemoteUnavailable(OSError):
 class RedisStore(KVStore):
     name = "redis"
 
-    def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "kvblend:", ttl_s: int = 0,
-                 socket_timeout_s: float = 0.5, backoff_s: float = 1.0, backoff_max_s: float = 30.0):
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        prefix: str = "kvblend:",
+        ttl_s: int = 0,
+        socket_timeout_s: float = 0.5,
+        backoff_s: float = 1.0,
+        backoff_max_s: float = 30.0,
+    ):
         self.url, self.prefix, self.ttl_s = url, prefix, ttl_s
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         # No client-side retries: our circuit breaker decides when to try again.
-        self._client = redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
-                                            retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+        )
         self._stats = TierStats()
         self._discarded = DiscardedKeys()
         self._lock = threading.Lock()
@@ -65,7 +83,9 @@ class RedisStore(KVStore):
         except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
             self._trip(e)
             raise RemoteUnavailable(str(e)) from e
-        except redis.RedisError as e:  # server answered with an error (OOM, READONLY, ...): not a down server
+        except (
+            redis.RedisError
+        ) as e:  # server answered with an error (OOM, READONLY, ...): not a down server
             self._stats.inc("errors")
             log.warning("redis KV command failed: %s", e)
             raise RemoteUnavailable(str(e)) from e
@@ -77,14 +97,18 @@ class RedisStore(KVStore):
 
     def _trip(self, e: Exception) -> None:
         with self._lock:
-            delay = min(self.backoff_max_s, self.backoff_s * (2 ** self._failures))
+            delay = min(self.backoff_max_s, self.backoff_s * (2**self._failures))
             self._failures += 1
             self._down_until = time.monotonic() + delay
             first = self._failures == 1
         self._stats.inc("errors")
         if first:
-            log.warning("redis KV store at %s unreachable (%s); serving from local tiers, retrying in %.2fs",
-                        self.url, e, delay)
+            log.warning(
+                "redis KV store at %s unreachable (%s); serving from local tiers, retrying in %.2fs",
+                self.url,
+                e,
+                delay,
+            )
         self._client.connection_pool.disconnect()  # drop dead sockets so the next probe reconnects
 
     @property
@@ -150,7 +174,9 @@ class RedisStore(KVStore):
             self._stats.inc("misses")
             return None
         self._stats.inc("hits")
-        return BlobReader(header, fetch, on_corrupt=lambda: self._discard_corrupt(key, "layer checksum"))
+        return BlobReader(
+            header, fetch, on_corrupt=lambda: self._discard_corrupt(key, "layer checksum")
+        )
 
     def put(self, key: str, kv: ChunkKV) -> None:
         """SET with the configured TTL. Never raises for server trouble (counted, logged once)."""

@@ -105,7 +105,9 @@ def serialize_parts(key: str, kv: ChunkKV) -> list[memoryview | bytes]:
     """
     k, v = kv.k.detach().cpu().contiguous(), kv.v.detach().cpu().contiguous()
     if k.dtype not in _DTYPE_CODES or v.dtype != k.dtype:
-        raise ValueError(f"unsupported KV dtype {k.dtype}/{v.dtype}; expected one of {list(_DTYPE_CODES)}")
+        raise ValueError(
+            f"unsupported KV dtype {k.dtype}/{v.dtype}; expected one of {list(_DTYPE_CODES)}"
+        )
     layers, heads, seq_len, head_dim = k.shape
     payload: list[memoryview] = []
     crcs: list[int] = []
@@ -113,7 +115,17 @@ def serialize_parts(key: str, kv: ChunkKV) -> list[memoryview | bytes]:
         kb, vb = _raw(k[layer]), _raw(v[layer])
         crcs.append(zlib.crc32(vb, zlib.crc32(kb)))
         payload += [kb, vb]
-    head = _FIXED.pack(MAGIC, FORMAT_VERSION, _DTYPE_CODES[k.dtype], 0, layers, heads, seq_len, head_dim, key_tag(key))
+    head = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        _DTYPE_CODES[k.dtype],
+        0,
+        layers,
+        heads,
+        seq_len,
+        head_dim,
+        key_tag(key),
+    )
     head += b"".join(_U32.pack(c) for c in crcs)
     head += _U32.pack(zlib.crc32(head))
     return [head, *payload]
@@ -164,8 +176,13 @@ def byte_view(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint8).numpy()
 
 
-def copy_layer_into(header: KVHeader, layer: int, raw: bytes | bytearray | memoryview,
-                    k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+def copy_layer_into(
+    header: KVHeader,
+    layer: int,
+    raw: bytes | bytearray | memoryview,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+) -> None:
     """Verify layer ``layer``'s payload bytes, then copy them into k_out / v_out [kv_heads, L, d].
 
     The outputs may be strided views (e.g. rows [off, off+L) of a [kv_heads, T, d] buffer); nothing is
@@ -174,12 +191,19 @@ def copy_layer_into(header: KVHeader, layer: int, raw: bytes | bytearray | memor
     """
     for out in (k_out, v_out):
         if tuple(out.shape) != header.layer_shape or out.dtype != header.dtype:
-            raise ValueError(f"layer buffers must be {header.layer_shape} {header.dtype}, got {tuple(out.shape)} {out.dtype}")
+            raise ValueError(
+                f"layer buffers must be {header.layer_shape} {header.dtype}, got {tuple(out.shape)} {out.dtype}"
+            )
     copy_layer_bytes_into(header, layer, raw, byte_view(k_out), byte_view(v_out))
 
 
-def copy_layer_bytes_into(header: KVHeader, layer: int, raw: bytes | bytearray | memoryview,
-                          k_out: np.ndarray, v_out: np.ndarray) -> None:
+def copy_layer_bytes_into(
+    header: KVHeader,
+    layer: int,
+    raw: bytes | bytearray | memoryview,
+    k_out: np.ndarray,
+    v_out: np.ndarray,
+) -> None:
     """``copy_layer_into`` for uint8 views [kv_heads, L, d * itemsize] of the output buffers."""
     _verify_layer(header, layer, raw)
     row_bytes = header.head_dim * _itemsize(header.dtype)
@@ -194,7 +218,9 @@ def copy_layer_bytes_into(header: KVHeader, layer: int, raw: bytes | bytearray |
     np.copyto(v_out, src[half:].reshape(shape))
 
 
-def decode_layer(header: KVHeader, layer: int, raw: bytes | bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_layer(
+    header: KVHeader, layer: int, raw: bytes | bytearray | memoryview
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Verified (k, v), each [kv_heads, L, d], in fresh memory. Raises CorruptKVError."""
     k = torch.empty(header.layer_shape, dtype=header.dtype)
     v = torch.empty_like(k)
@@ -208,9 +234,14 @@ def deserialize(blob: bytes | bytearray | memoryview, key: str | None = None) ->
     if len(blob) != header.total_size:
         raise CorruptKVError(f"blob is {len(blob)} bytes, header says {header.total_size}")
     mv = memoryview(blob)
-    return assemble(header, [mv[off: off + n] for off, n in map(header.layer_span, range(header.num_layers))])
+    return assemble(
+        header, [mv[off : off + n] for off, n in map(header.layer_span, range(header.num_layers))]
+    )
 
-HEADER_PROBE = 4096  # one fetch of this many bytes covers the header of any model up to ~1000 layers
+
+HEADER_PROBE = (
+    4096  # one fetch of this many bytes covers the header of any model up to ~1000 layers
+)
 
 
 def read_header(fetch, key: str | None = None, first: bytes | None = None) -> KVHeader:

@@ -29,7 +29,9 @@ class TieredStore(KVStore):
     # -- writes ------------------------------------------------------------------------------------
     def _write(self, key: str, kv: ChunkKV, tiers: Sequence[KVStore]) -> None:
         """Inline tiers now; the others in one background job (or now, without a writer)."""
-        slow = [t for t in tiers if self.writer is None or getattr(t, "name", None) not in INLINE_TIERS]
+        slow = [
+            t for t in tiers if self.writer is None or getattr(t, "name", None) not in INLINE_TIERS
+        ]
         for t in tiers:
             if t not in slow:
                 t.put(key, kv)
@@ -78,7 +80,9 @@ class TieredStore(KVStore):
             return reader
         return None
 
-    def _promote_parts(self, key: str, header: KVHeader, parts: list[bytes], tiers: Sequence[KVStore]) -> None:
+    def _promote_parts(
+        self, key: str, header: KVHeader, parts: list[bytes], tiers: Sequence[KVStore]
+    ) -> None:
         # Runs on the loader thread: hand the decode + writes to the writer so loading is not delayed.
         nbytes = sum(len(p) for p in parts)
         self._run(lambda: self._write_all(key, assemble(header, parts), tiers), nbytes)

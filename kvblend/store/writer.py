@@ -33,7 +33,9 @@ class BackgroundWriter:
     def submit(self, job: Callable[[], None], nbytes: int = 0) -> bool:
         """Queue ``job``; False (and counted as dropped) if closed or over the pending-bytes bound."""
         with self._lock:
-            if self._closed or (self._pending_jobs and self._pending_bytes + nbytes > self.max_pending_bytes):
+            if self._closed or (
+                self._pending_jobs and self._pending_bytes + nbytes > self.max_pending_bytes
+            ):
                 self.dropped += 1
                 return False
             self._pending_jobs += 1
@@ -68,8 +70,13 @@ class BackgroundWriter:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"pending": self._pending_jobs, "pending_bytes": self._pending_bytes,
-                    "done": self.done, "dropped": self.dropped, "failed": self.failed}
+            return {
+                "pending": self._pending_jobs,
+                "pending_bytes": self._pending_bytes,
+                "done": self.done,
+                "dropped": self.dropped,
+                "failed": self.failed,
+            }
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Finish queued jobs (up to ``timeout``), then stop the thread. Idempotent."""
