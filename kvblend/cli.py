@@ -17,7 +17,7 @@ from kvblend.platform import apply_malloc_defaults, apply_openmp_defaults
 # (command, module, help). The module defines `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: list[tuple[str, str, str]] = [
     ("generate", "kvblend.engine.cli", "prefill a prompt in a chosen mode and decode (one-shot)"),
-    ("bench", "kvblend.bench.cli", "benchmarks: engine, store, ttft, load"),
+    ("bench", "kvblend.bench.cli", "benchmarks: engine, store, ttft, load, report"),
     (
         "calibrate",
         "kvblend.bench.calibrate",
