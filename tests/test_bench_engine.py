@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine_fixtures import MUSIQUE
+from helpers import MUSIQUE
 
 
 def _short_musique(tmp_path: Path, num_examples: int = 2) -> Path:

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from engine_fixtures import INSTRUCTION, embedded_engine, musique_docs
+from helpers import INSTRUCTION, embedded_engine, musique_docs
 
 from kvblend.engine.request import GenerationRequest, SamplingParams
 from kvblend.store.disk import SUFFIX, DiskStore

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from engine_fixtures import (
+from helpers import (
     DEVICES,
     INSTRUCTION,
     embedded_engine,

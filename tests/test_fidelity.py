@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from engine_fixtures import INSTRUCTION, embedded_engine, musique_docs
+from helpers import INSTRUCTION, embedded_engine, musique_docs
 
 from kvblend.bench import calibrate
 from kvblend.engine.fidelity import (

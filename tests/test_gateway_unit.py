@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from test_server_unit import FakeEngine
+from helpers import FakeEngine
 
 from kvblend.config import ApiKey, ModelEntry, ServerConfig
 from kvblend.server.app import create_app

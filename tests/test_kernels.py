@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_fixtures import embedded_engine, musique_docs
+from helpers import embedded_engine, musique_docs
 
 from kvblend.config import EngineConfig, ModelConfig
 from kvblend.engine.engine import create_engine

@@ -4,7 +4,8 @@ response outside the schema. The 50,000-request run is ``scripts/fuzz_api.py`` a
 from __future__ import annotations
 
 import pytest
-from test_reliability import KEY, make_client
+from helpers import CLIENT_KEY as KEY
+from helpers import make_keyed_client as make_client
 
 from kvblend.server.schemas import SELECTION_PATTERN
 
@@ -26,7 +27,7 @@ CHECKS = [
 
 
 def _engine():
-    from test_server_unit import FakeEngine
+    from helpers import FakeEngine
 
     engine = FakeEngine()
     engine.vocab_size = 100

@@ -1,7 +1,7 @@
 """scripts/profile_prefill.py --parts / --decode-tokens: the parts of a request add up to its TTFT, each timed
 part is the engine's own call (restored afterwards), and decoding is timed per token."""
 
-from engine_fixtures import INSTRUCTION, embedded_engine, load_script, musique_docs
+from helpers import INSTRUCTION, embedded_engine, load_script, musique_docs
 
 from kvblend.blend.blender import KernelAttention, TorchAttention
 from kvblend.client.stream import parse_mode_spec

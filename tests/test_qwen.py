@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_fixtures import INSTRUCTION, musique_docs
+from helpers import INSTRUCTION, musique_docs
 
 from kvblend.config import EngineConfig, ModelConfig
 from kvblend.engine.engine import create_engine

@@ -11,14 +11,15 @@ import json
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from test_server_unit import FakeEngine
+from helpers import CLIENT_KEY as KEY  # noqa: E402
+from helpers import FakeEngine
+from helpers import make_keyed_client as make_client  # noqa: E402
 
 from kvblend.config import ApiKey, ModelEntry, ServerConfig
 from kvblend.server.app import create_app
 from kvblend.server.backends import LocalBackend
 from kvblend.server.upstream import UpstreamBackend
 
-KEY = "sk-client-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 UP_KEY = "sk-Zq81LxV0wQ-7f3e9a2b4c6d5e8f"
 USER = [{"role": "user", "content": "hello there"}]
@@ -29,14 +30,6 @@ VALID = {
     "/v1/chunks": {"model": "fake", "documents": ["one two"]},
     "/v1/messages": {"model": "fake", "max_tokens": 2, "messages": USER},
 }
-
-
-def make_client(engine=None, models: list[ModelEntry] | None = None, **config) -> TestClient:
-    cfg = ServerConfig(
-        models=models or [ModelEntry(id="fake")], api_keys=[ApiKey(KEY, "c")], **config
-    )
-    backends = [LocalBackend(m, None, cfg, engine=engine or FakeEngine()) for m in cfg.models]
-    return TestClient(create_app(cfg, backends=backends), raise_server_exceptions=False)
 
 
 def _error(r: httpx.Response, anthropic: bool) -> dict:

@@ -2,7 +2,7 @@
 them must give full prefill's logits (fp32), and its reference KV must be full prefill's."""
 
 import torch
-from engine_fixtures import INSTRUCTION, embedded_engine, load_script, musique_docs
+from helpers import INSTRUCTION, embedded_engine, load_script, musique_docs
 
 from kvblend.blend.selection import num_to_keep
 from kvblend.store.memory import MemoryStore

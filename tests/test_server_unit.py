@@ -7,98 +7,17 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
+from helpers import FakeEngine
 
 from kvblend.blend.segmenter import Segments
 from kvblend.config import ModelEntry, ServerConfig
-from kvblend.engine.request import GenerationResult, PrefillStats, TokenEvent
+from kvblend.engine.request import GenerationResult
 from kvblend.engine.scheduler import Failed, QueueFullError, Scheduler, Started
 from kvblend.server.app import create_app
 from kvblend.server.auth import Authenticator
 from kvblend.server.backends import LocalBackend
 from kvblend.server.errors import APIError
 from kvblend.settings import load_server_config, server_config_from_dict
-
-
-class FakeTokenizer:
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [len(w) for w in text.split()]
-
-
-class FakeSeq:
-    def __init__(self, req, stats):
-        self.request, self.stats = req, stats
-        self.generated: list[int] = []
-        self.text = ""
-        self.finished = False
-        self.pending: list[TokenEvent] = []
-
-    def result(self) -> GenerationResult:
-        return GenerationResult(list(self.generated), self.text, "length", self.stats)
-
-
-class FakeEngine:
-    """Words are tokens; generates "t0 t1 ..." up to max_tokens. ``gate`` holds start() until set."""
-
-    model_id = "fake-model"
-    max_context_len = 64
-    tokenizer = FakeTokenizer()
-
-    def __init__(self, gate: threading.Event | None = None, fail: bool = False):
-        self.gate, self.fail = gate, fail
-        self.in_start = threading.Event()
-        self.batch_sizes: list[int] = []
-        self.step_delay = 0.0
-
-    def segments_from_messages(self, messages, documents=None) -> Segments:
-        if messages[-1]["role"] != "user":
-            raise ValueError("messages must end with a user message")
-        text = messages[-1]["content"] if isinstance(messages[-1]["content"], str) else "x"
-        return Segments(
-            [1], [[2] * len(d.split()) for d in documents or []], self.tokenizer.encode(text) or [1]
-        )
-
-    def segments(self, documents, question, **_) -> Segments:
-        return Segments([1], [self.tokenizer.encode(d) for d in documents], [])
-
-    def precompute(self, chunks, namespace=""):
-        return [{"key": f"k{len(c)}", "num_tokens": len(c), "cached": False} for c in chunks]
-
-    def start(self, req) -> FakeSeq:
-        self.in_start.set()
-        if self.gate is not None:
-            self.gate.wait(10)
-        if self.fail:
-            raise RuntimeError("secret internal detail")
-        n = req.segments.num_tokens
-        seq = FakeSeq(
-            req,
-            PrefillStats(
-                mode=req.mode or "blend",
-                recompute_ratio=0.15,
-                prompt_tokens=n,
-                fresh_tokens=n,
-                ttft_ms=1.0,
-            ),
-        )
-        seq.pending.append(self._token(seq))
-        return seq
-
-    def _token(self, seq: FakeSeq) -> TokenEvent:
-        i = len(seq.generated)
-        seq.generated.append(i)
-        text = f"t{i} "
-        seq.text += text
-        if len(seq.generated) >= seq.request.sampling.max_tokens:
-            seq.finished = True
-        return TokenEvent(i, text, i)
-
-    def step(self, seqs):
-        self.batch_sizes.append(len(seqs))
-        time.sleep(self.step_delay)
-        return [
-            s.pending.pop(0) if s.pending else (None if s.finished else self._token(s))
-            for s in seqs
-        ]
 
 
 def make_client(engine: FakeEngine, **config) -> TestClient:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from test_store import run_python
+from helpers import run_python
 
 CHILD = """
 import json, sys
-from engine_fixtures import INSTRUCTION, musique_docs
+from helpers import INSTRUCTION, musique_docs
 from kvblend.config import EngineConfig, ModelConfig, StoreConfig
 from kvblend.engine.engine import create_engine
 from kvblend.engine.request import GenerationRequest, SamplingParams

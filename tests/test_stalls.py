@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from test_server_unit import FakeEngine
+from helpers import FakeEngine
 
 from kvblend.config import ModelEntry, ServerConfig
 from kvblend.server.backends import LocalBackend

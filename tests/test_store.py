@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import bits, kv_size, make_kv, run_python, same
 
 from kvblend.config import StoreConfig
 from kvblend.store.base import ChunkKV
@@ -22,60 +20,6 @@ from kvblend.store.reader import KVReadError
 from kvblend.store.serializer import CorruptKVError, deserialize, parse_header, serialize
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-# ---- helpers (imported by the other test_store* modules) ------------------------------------------
-def make_kv(
-    seed: int = 0,
-    layers: int = 4,
-    heads: int = 2,
-    seq_len: int = 16,
-    dim: int = 8,
-    dtype: torch.dtype = torch.bfloat16,
-) -> ChunkKV:
-    """Random ChunkKV, k/v [layers, heads, seq_len, dim]."""
-    g = torch.Generator().manual_seed(seed)
-    shape = (layers, heads, seq_len, dim)
-    return ChunkKV(
-        torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
-    )
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Integer view, so equality is bit-for-bit (NaN-safe, -0 != +0)."""
-    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def same(a: ChunkKV | None, b: ChunkKV) -> bool:
-    return (
-        a is not None
-        and a.k.dtype == b.k.dtype
-        and torch.equal(bits(a.k), bits(b.k))
-        and torch.equal(bits(a.v), bits(b.v))
-    )
-
-
-def kv_size(store_key: str, kv: ChunkKV) -> int:
-    return len(serialize(store_key, kv))
-
-
-def run_python(code: str, env: dict | None = None, timeout: float = 120) -> str:
-    """Run ``code`` in a fresh interpreter of this venv (repo on sys.path); return stdout, raise on failure.
-
-    For multi-process tests (e.g. two engine processes sharing one disk dir / Redis): build the store
-    or engine inside ``code`` from a StoreConfig and print what the parent should check.
-    """
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return proc.stdout
 
 
 # ---- serializer -------------------------------------------------------------------------------------
@@ -267,7 +211,7 @@ def test_disk_adopts_files_written_by_another_process(tmp_path):
     run_python(
         f"""
         from kvblend.store.disk import DiskStore
-        from test_store import make_kv
+        from helpers import make_kv
         DiskStore({str(tmp_path)!r}).put("chunk:shared", make_kv(7))
     """,
         env={"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"},

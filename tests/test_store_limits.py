@@ -90,8 +90,8 @@ def test_disk_tier_recovers_after_enospc_simulated(tmp_path, monkeypatch):
 
 
 def test_chunk_larger_than_every_budget_is_refused_with_a_reason():
-    from engine_fixtures import embedded_engine
     from fastapi.testclient import TestClient
+    from helpers import embedded_engine
 
     from kvblend.config import ModelEntry, ServerConfig
     from kvblend.server.app import create_app

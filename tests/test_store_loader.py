@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from test_store import bits, make_kv
+from helpers import bits, make_kv
 
 from kvblend.config import StoreConfig
 from kvblend.engine.kv_loader import LayerwiseLoader, load_sync

@@ -7,7 +7,7 @@ import time
 import pytest
 import redis
 import torch
-from test_store import bits, make_kv, same
+from helpers import bits, make_kv, same
 
 from kvblend.config import StoreConfig
 from kvblend.store.factory import create_store

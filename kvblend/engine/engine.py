@@ -39,6 +39,7 @@ from kvblend.engine.fidelity import (
 )
 from kvblend.engine.kv_loader import LayerwiseLoader, load_sync
 from kvblend.engine.request import (
+    ContextLengthError,
     GenerationRequest,
     GenerationResult,
     PrefillStats,
@@ -64,19 +65,6 @@ from kvblend.store.reader import KVReader, KVReadError, TensorReader
 log = logging.getLogger(__name__)
 
 SHADOW_QUEUE = 4  # sampled requests waiting for a shadow full prefill; more are not sampled
-
-
-class ContextLengthError(ValueError):
-    def __init__(self, prompt_tokens: int, max_tokens: int, max_context_len: int):
-        self.prompt_tokens, self.max_tokens, self.max_context_len = (
-            prompt_tokens,
-            max_tokens,
-            max_context_len,
-        )
-        super().__init__(
-            f"this model's maximum context length is {max_context_len} tokens; the prompt has {prompt_tokens} "
-            f"tokens and {max_tokens} more were requested for the completion ({prompt_tokens + max_tokens} in all)"
-        )
 
 
 @dataclass
@@ -254,7 +242,7 @@ class Engine:
             raise ValueError("empty prompt: at least one token is required")
         max_new = request.sampling.max_tokens
         if num_tokens + max_new > self.max_context_len:
-            raise ContextLengthError(num_tokens, max_new, self.max_context_len)
+            raise ContextLengthError(num_tokens, self.max_context_len, max_new)
         cache = KVCache.allocate(self.ops, num_tokens + max_new, self.buffers)
         k_buffer = self.buffers.take(cache.k[:, :, :num_tokens].nbytes, self.ops.device)
         k_work = typed_view(k_buffer, _rows_shape(cache, num_tokens), self.ops.dtype)

@@ -140,3 +140,25 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length"
     stats: PrefillStats
     first_token_logits: object = None  # torch.Tensor [vocab] float32, kept for quality checks
+
+
+class ContextLengthError(ValueError):
+    """The prompt (plus the completion asked for) does not fit the model's context window: the one
+    error for it, raised where a request is built and where the engine prefills."""
+
+    def __init__(self, prompt_tokens: int, max_context_len: int, requested: int | None = None):
+        self.prompt_tokens, self.max_context_len, self.requested = (
+            prompt_tokens,
+            max_context_len,
+            requested,
+        )
+        text = (
+            f"this model's maximum context length is {max_context_len} tokens; the prompt has "
+            f"{prompt_tokens} tokens"
+        )
+        if requested:
+            text += (
+                f" and {requested} more were requested for the completion "
+                f"({prompt_tokens + requested} in all)"
+            )
+        super().__init__(text)

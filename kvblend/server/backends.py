@@ -19,6 +19,7 @@ from typing import Any, Protocol, Union
 from kvblend.blend.segmenter import build_completion_segments
 from kvblend.config import ModelEntry, ServerConfig
 from kvblend.engine.request import (
+    ContextLengthError,
     GenerationRequest,
     GenerationResult,
     PrefillStats,
@@ -104,16 +105,6 @@ class Backend(Protocol):
 # --- local engine --------------------------------------------------------------------------------
 
 
-class PromptTooLong(ValueError):
-    """Raised on the worker when prompt (+ requested completion) exceeds the context window."""
-
-    def __init__(self, prompt_tokens: int, max_context_len: int, requested: int | None = None):
-        super().__init__(f"prompt of {prompt_tokens} tokens does not fit {max_context_len}")
-        self.prompt_tokens = prompt_tokens
-        self.max_context_len = max_context_len
-        self.requested = requested
-
-
 def build_request(
     engine, job: GenerationJob, default_max_tokens: int, max_documents: int = 1 << 30
 ) -> GenerationRequest:
@@ -129,9 +120,9 @@ def build_request(
     check_num_documents(len(segs.chunk_ids), max_documents)
     n, limit = segs.num_tokens, int(engine.max_context_len)
     if n >= limit:
-        raise PromptTooLong(n, limit)
+        raise ContextLengthError(n, limit)
     if job.max_tokens is not None and n + job.max_tokens > limit:
-        raise PromptTooLong(n, limit, job.max_tokens)
+        raise ContextLengthError(n, limit, job.max_tokens)
     max_tokens = job.max_tokens or max(1, min(default_max_tokens, limit - n))
     sampling = SamplingParams(
         max_tokens=max_tokens,
@@ -148,13 +139,11 @@ def build_request(
 
 
 def map_engine_error(e: BaseException) -> errors.APIError:
-    """Engine exceptions -> OpenAI errors. Context-length errors are recognised by their attributes."""
+    """Engine exceptions -> OpenAI errors."""
     if isinstance(e, errors.APIError):
         return e
-    if hasattr(e, "prompt_tokens") and hasattr(e, "max_context_len"):
-        requested = getattr(e, "requested", None) or getattr(
-            e, "max_tokens", None
-        )  # ours / ContextLengthError
+    if isinstance(e, ContextLengthError):
+        requested = e.requested
         if requested:
             return errors.invalid_request(
                 f"This model's maximum context length is {e.max_context_len} tokens. However, you requested "

@@ -28,6 +28,15 @@ from kvblend.server import errors
 
 T = TypeVar("T")
 ANTHROPIC_PATHS = ("/v1/messages",)
+# vLLM's token endpoints sit outside /v1/ but take keys and bodies like the rest of the API.
+TOKEN_PATHS = ("/tokenize", "/detokenize")
+
+
+def is_api_path(path: str) -> bool:
+    """Paths the gate checks (auth, body size, JSON) and /openapi.json documents as the API."""
+    return path.startswith("/v1/") or path in TOKEN_PATHS
+
+
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; keeps torch from overflowing on int64 conversion
 
 
@@ -51,7 +60,7 @@ class GateMiddleware:
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "") if scope["type"] == "http" else ""
-        if not path.startswith("/v1/"):
+        if not is_api_path(path):
             return await self.app(scope, receive, send)
         anthropic = path in ANTHROPIC_PATHS
         lifecycle: Lifecycle = self.state.lifecycle

@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi.openapi.utils import get_openapi
 
+from kvblend.server.limits import is_api_path
 from kvblend.server.schemas import ChatCompletion, Completion, ErrorResponse
 
 GENERATING = {
@@ -122,7 +123,7 @@ def _ref(name: str) -> dict:
 
 
 def _fix_operation(path: str, method: str, op: dict[str, Any]) -> None:
-    if not path.startswith("/v1/"):
+    if not is_api_path(path):
         return
     anthropic = path == "/v1/messages"
     op["security"] = [{"bearerAuth": []}] + ([{"apiKeyHeader": []}] if anthropic else [])
