@@ -40,7 +40,7 @@ lint: $(STAMP)
 		--quiet --output-format concise kvblend tests scripts | grep -c E501)"
 
 test: lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=10 tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "(unit or engine) and not slow" tests

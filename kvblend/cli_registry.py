@@ -37,3 +37,20 @@ def add_command_parsers(
             raise
         mod.add_arguments(p)
         p.set_defaults(**{run_attr: mod.run})
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--model and --dtype, as every command that loads an engine takes them (defaults: KVBLEND_*)."""
+    from kvblend.config import default_dtype, default_model
+
+    p.add_argument(
+        "--model",
+        default=default_model(),
+        help="HF dir or .gguf (default: KVBLEND_MODEL, else the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=default_dtype(),
+        choices=["auto", "bfloat16", "float32"],
+        help="auto (default): bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, else float32",
+    )

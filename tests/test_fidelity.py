@@ -219,7 +219,7 @@ def test_server_reports_fidelity_in_usage_and_metrics(kvblend_server_factory, tm
             extra_body={"fidelity": 0},
         )
     metrics = httpx.get(server.base_url + "/metrics").text
-    assert 'kvblend_fidelity_agreement{model="smol",source="calibration"} 0.9' in metrics
+    assert 'kvblend_fidelity_agreement{model_name="smol",source="calibration"} 0.9' in metrics
     assert json.loads(Path(path).read_text())["fingerprint"] == engine.fingerprint
 
 

