@@ -25,7 +25,7 @@ DOCS = [
 def _replica(factory, redis_url: str):
     return factory(
         {
-            "api_keys": [{"key": UP_KEY, "name": "gateway", "namespace": "shared"}],
+            "api_keys": [{"key": UP_KEY, "name": "gateway", "namespace": "fleet"}],
             "store": {
                 "tiers": ["memory", "redis"],
                 "redis_url": redis_url,
