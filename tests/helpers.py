@@ -271,3 +271,13 @@ def make_keyed_client(engine=None, models: list[ModelEntry] | None = None, **con
     )
     backends = [LocalBackend(m, None, cfg, engine=engine or FakeEngine()) for m in cfg.models]
     return TestClient(create_app(cfg, backends=backends), raise_server_exceptions=False)
+
+
+def run_bench_engine(*args: str) -> subprocess.CompletedProcess:
+    """`kvblend bench engine` in a child process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvblend.cli", "bench", "engine", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )

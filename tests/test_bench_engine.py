@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import MUSIQUE
+from helpers import MUSIQUE, run_bench_engine
 
 
 def _short_musique(tmp_path: Path, num_examples: int = 2) -> Path:
@@ -22,18 +22,9 @@ def _short_musique(tmp_path: Path, num_examples: int = 2) -> Path:
     return path
 
 
-def _bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kvblend.cli", "bench", "engine", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 def test_bench_engine_modes_ratios_and_json(tmp_path):
     out, data = tmp_path / "engine.json", _short_musique(tmp_path)
-    proc = _bench(
+    proc = run_bench_engine(
         "--examples",
         "2",
         "--data",
@@ -116,7 +107,7 @@ def test_bench_engine_modes_ratios_and_json(tmp_path):
     halves = []
     for offset in (0, 1):
         half = tmp_path / f"engine-{offset}.json"
-        proc = _bench(
+        proc = run_bench_engine(
             "--examples",
             "1",
             "--offset",
@@ -146,7 +137,9 @@ def test_bench_engine_modes_ratios_and_json(tmp_path):
         second["modes"][0]["per_example"]["answers"] == rows["full"]["per_example"]["answers"][1:]
     )
     pooled_path = tmp_path / "pooled.json"
-    proc = _bench("--pool", str(halves[1]), str(halves[0]), "--no-plot", "--out", str(pooled_path))
+    proc = run_bench_engine(
+        "--pool", str(halves[1]), str(halves[0]), "--no-plot", "--out", str(pooled_path)
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     pooled = json.loads(pooled_path.read_text())
     assert pooled["examples"] == 2 and pooled["pooled_from"] == [str(halves[0]), str(halves[1])]
@@ -156,18 +149,20 @@ def test_bench_engine_modes_ratios_and_json(tmp_path):
         for key in ("f1", "first_token_agreement", "rouge_l_vs_full"):
             assert row[key] == ref[key], (row["name"], key)
         assert abs(row["first_token_kl_vs_full"] - ref["first_token_kl_vs_full"]) <= 1e-4
-    proc = _bench(
+    proc = run_bench_engine(
         "--pool", str(out), str(halves[1]), "--no-plot", "--out", str(tmp_path / "bad.json")
     )
     assert proc.returncode != 0 and "overlaps an earlier file's range" in proc.stderr
 
 
 def test_bench_engine_rejects_an_unknown_mode(tmp_path):
-    proc = _bench("--examples", "1", "--modes", "full,fast", "--out", str(tmp_path / "x.json"))
+    proc = run_bench_engine(
+        "--examples", "1", "--modes", "full,fast", "--out", str(tmp_path / "x.json")
+    )
     assert proc.returncode != 0
     assert "unknown mode(s) fast" in proc.stderr
     assert not (tmp_path / "x.json").exists()
-    proc = _bench(
+    proc = run_bench_engine(
         "--examples", "1", "--selection", "deviation,best", "--out", str(tmp_path / "x.json")
     )
     assert proc.returncode != 0
@@ -176,7 +171,7 @@ def test_bench_engine_rejects_an_unknown_mode(tmp_path):
         in proc.stderr
     )
     assert not (tmp_path / "x.json").exists()
-    proc = _bench(
+    proc = run_bench_engine(
         "--examples",
         "1",
         "--selection",
@@ -188,7 +183,7 @@ def test_bench_engine_rejects_an_unknown_mode(tmp_path):
 
 
 def test_bench_engine_rejects_an_offset_past_the_data(tmp_path):
-    proc = _bench(
+    proc = run_bench_engine(
         "--examples",
         "1",
         "--offset",
@@ -231,11 +226,11 @@ def test_model_and_device_errors_are_one_line(tmp_path):
     out = tmp_path / "x.json"
     cases = [
         (
-            _bench("--examples", "1", "--device", "cuda:7", "--out", str(out)),
+            run_bench_engine("--examples", "1", "--device", "cuda:7", "--out", str(out)),
             ("CUDA is not available to this PyTorch", "this machine has"),
         ),
         (
-            _bench("--examples", "1", "--device", "gpu", "--out", str(out)),
+            run_bench_engine("--examples", "1", "--device", "gpu", "--out", str(out)),
             ("device must be cpu, cuda or cuda:N, got 'gpu'",),
         ),
         (

@@ -5,23 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 
 import pytest
-
-
-def _bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kvblend.cli", "bench", "engine", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+from helpers import run_bench_engine
 
 
 def test_bench_engine_rejects_missing_data_in_one_line(tmp_path):
-    proc = _bench("--data", str(tmp_path / "nope.json"), "--examples", "1")
+    proc = run_bench_engine("--data", str(tmp_path / "nope.json"), "--examples", "1")
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith("kvblend bench engine: data not found")
 
@@ -32,7 +22,7 @@ def test_bench_engine_rejects_missing_data_in_one_line(tmp_path):
 )
 def test_bench_engine_on_hotpotqa(tmp_path):
     out = tmp_path / "engine.json"
-    proc = _bench(
+    proc = run_bench_engine(
         "--data",
         "hotpotqa",
         "--examples",

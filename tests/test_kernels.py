@@ -287,19 +287,16 @@ def test_linear_refuses_shapes_it_does_not_take(kernel):
         kernel.linear(torch.zeros(3, 32, dtype=kernel.dtype), packed, 1)
 
 
-@pytest.mark.parametrize("num_keys", [1, 100, 256, 257, 3000])
-@pytest.mark.parametrize("num_kv_heads,rep", [(3, 3), (2, 7), (1, 1)])
-def test_decode_attention_matches_fp32_reference(kernel, num_keys, num_kv_heads, rep):
-    """One decoding row over a cache's rotated keys, read in place (heads strided by the cache's capacity):
-    within the bf16 output tolerance of fp32 attention. Key counts cover one key, a chunk's edge (256 keys a
-    chunk) and many chunks; GQA factors SmolLM2's 3, Qwen2.5-0.5B's 7 and none."""
+def _check_decode(kernel, head_dim: int, num_keys: int, num_kv_heads: int, rep: int) -> None:
+    """One decoding row over a cache's rotated keys, read in place (heads strided by the cache's
+    capacity), on 1 and 2 threads: within the bf16 output tolerance of fp64 attention."""
     if not kernel.has_decode:
         pytest.skip(f"the {kernel.name} build has no decode kernel")
     gen = torch.Generator().manual_seed(num_keys * 10 + rep)
-    cache_k = torch.randn(num_kv_heads, num_keys + 40, 64, generator=gen).to(kernel.dtype)
-    cache_v = torch.randn(num_kv_heads, num_keys + 40, 64, generator=gen).to(kernel.dtype)
+    cache_k = torch.randn(num_kv_heads, num_keys + 40, head_dim, generator=gen).to(kernel.dtype)
+    cache_v = torch.randn(num_kv_heads, num_keys + 40, head_dim, generator=gen).to(kernel.dtype)
     q = (
-        torch.randn(num_kv_heads * rep, 3, 64, generator=gen).mul(2).to(kernel.dtype)[:, 2]
+        torch.randn(num_kv_heads * rep, 3, head_dim, generator=gen).mul(2).to(kernel.dtype)[:, 2]
     )  # [Hq, d], strided
     k, v = cache_k[:, :num_keys], cache_v[:, :num_keys]
     ref = (
@@ -310,9 +307,18 @@ def test_decode_attention_matches_fp32_reference(kernel, num_keys, num_kv_heads,
         .float()
     )
     for num_threads in (1, 2):
-        out = kernel.decode_attention(q, k, v, 1 / 8, num_threads)
-        assert out.shape == (1, num_kv_heads * rep * 64)
+        out = kernel.decode_attention(q, k, v, head_dim**-0.5, num_threads)
+        assert out.shape == (1, num_kv_heads * rep * head_dim)
         assert (out.float() - ref).abs().max().item() <= TOLERANCES[kernel.dtype][0]
+
+
+@pytest.mark.parametrize("num_keys", [1, 100, 256, 257, 3000])
+@pytest.mark.parametrize("num_kv_heads,rep", [(3, 3), (2, 7), (1, 1)])
+def test_decode_attention_matches_fp32_reference(kernel, num_keys, num_kv_heads, rep):
+    """One decoding row over a cache's rotated keys, read in place (heads strided by the cache's capacity):
+    within the bf16 output tolerance of fp32 attention. Key counts cover one key, a chunk's edge (256 keys a
+    chunk) and many chunks; GQA factors SmolLM2's 3, Qwen2.5-0.5B's 7 and none."""
+    _check_decode(kernel, 64, num_keys, num_kv_heads, rep)
 
 
 def test_decode_attention_refuses_what_it_does_not_take(kernel):
@@ -674,27 +680,7 @@ def test_head_dim_128_decode_attention_matches_fp64_reference(
     kernel128, num_keys, num_kv_heads, rep
 ):
     """One decoding row at head_dim 128 over a cache read in place (heads strided by its capacity)."""
-    kernel = kernel128
-    if not kernel.has_decode:
-        pytest.skip(f"the {kernel.name} build has no decode kernel")
-    gen = torch.Generator().manual_seed(num_keys * 10 + rep)
-    cache_k = torch.randn(num_kv_heads, num_keys + 40, 128, generator=gen).to(kernel.dtype)
-    cache_v = torch.randn(num_kv_heads, num_keys + 40, 128, generator=gen).to(kernel.dtype)
-    q = (
-        torch.randn(num_kv_heads * rep, 3, 128, generator=gen).mul(2).to(kernel.dtype)[:, 2]
-    )  # [Hq, d], strided
-    k, v = cache_k[:, :num_keys], cache_v[:, :num_keys]
-    ref = (
-        F.scaled_dot_product_attention(
-            q.double()[None, :, None], k.double()[None], v.double()[None], enable_gqa=True
-        )[0]
-        .reshape(1, -1)
-        .float()
-    )
-    for num_threads in (1, 2):
-        out = kernel.decode_attention(q, k, v, 128**-0.5, num_threads)
-        assert out.shape == (1, num_kv_heads * rep * 128)
-        assert (out.float() - ref).abs().max().item() <= TOLERANCES[kernel.dtype][0]
+    _check_decode(kernel128, 128, num_keys, num_kv_heads, rep)
 
 
 def test_a_build_refuses_another_head_dim(kernel128):
