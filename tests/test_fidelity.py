@@ -18,23 +18,44 @@ from kvblend.engine.fidelity import (
     Calibration,
     CalibrationPoint,
     FidelityController,
+    agreement_lower_bound,
     prompts_needed,
 )
 from kvblend.engine.request import GenerationRequest, SamplingParams
 
 
 def _calibration(fingerprint: str = "fp", dtype: str = "float32") -> Calibration:
+    # 200 prompts each: 90% lower bounds 0.818 / 0.873 / 0.930
     return Calibration(
         "m",
         fingerprint,
         dtype,
         "musique",
         [
-            CalibrationPoint("deviation", 0.15, 20, 0.85, 0.15, 4.3),
-            CalibrationPoint("lookahead", 0.15, 20, 0.90, 0.04, 3.5),
-            CalibrationPoint("lookahead", 0.5, 20, 0.95, 0.01, 1.8),
+            CalibrationPoint("deviation", 0.15, 200, 0.85, 0.15, 4.3),
+            CalibrationPoint("lookahead", 0.15, 200, 0.90, 0.04, 3.5),
+            CalibrationPoint("lookahead", 0.5, 200, 0.95, 0.01, 1.8),
         ],
     )
+
+
+def test_lower_bound_and_prompts_needed():
+    assert agreement_lower_bound(1.0, 20) == pytest.approx(20 / (20 + 1.2816**2), abs=1e-4)
+    assert agreement_lower_bound(0.95, 20) == pytest.approx(0.847, abs=1e-3)  # 19 of 20
+    assert agreement_lower_bound(0.9, 10**6) == pytest.approx(0.9, abs=1e-3)
+    assert agreement_lower_bound(0.5, 0) == 0.0
+    assert (prompts_needed(0.9), prompts_needed(0.95), prompts_needed(1.0) > 10**6) == (
+        15,
+        32,
+        True,
+    )
+    # the bound, not the point estimate: 19/20 agreeing does not serve 0.9
+    few = Calibration(
+        "m", "fp", "float32", "musique", [CalibrationPoint("lookahead", 0.3, 20, 0.95, 0.1, 3.0)]
+    )
+    assert FidelityController(few).choose(0.9).mode == "full"
+    few.points[0].agreement = 1.0  # 20/20: bound 0.924
+    assert FidelityController(few).choose(0.9).mode == "blend"
 
 
 def test_choose_fastest_setting_meeting_target_else_full():
@@ -42,33 +63,27 @@ def test_choose_fastest_setting_meeting_target_else_full():
     assert (ctl.choose(0.8).selection, ctl.choose(0.8).ratio) == (
         "deviation",
         0.15,
-    )  # fastest that meets
-    assert (ctl.choose(0.9).selection, ctl.choose(0.9).ratio) == ("lookahead", 0.15)
-    assert ctl.choose(0.9).source == "calibration"
-    assert (ctl.choose(0.95).selection, ctl.choose(0.95).ratio) == ("lookahead", 0.5)
-    capped = _calibration()
-    capped.points = capped.points[:2]  # nothing above 0.9
-    unreachable = FidelityController(capped).choose(0.95)
+    )  # fastest whose lower bound meets it
+    assert (ctl.choose(0.85).selection, ctl.choose(0.85).ratio) == ("lookahead", 0.15)
+    assert ctl.choose(0.85).source == "calibration"
+    assert ctl.choose(0.85).expected_agreement == 0.9  # the point estimate is what is reported
+    assert (ctl.choose(0.9).selection, ctl.choose(0.9).ratio) == ("lookahead", 0.5)
+    unreachable = ctl.choose(0.95)
     assert unreachable.mode == "full" and unreachable.ratio == 1.0
     assert unreachable.source.startswith("fallback: no blend setting reached 0.95")
-    unresolved = ctl.choose(0.99)  # 20 prompts cannot tell 0.99 from 0.95
-    assert unresolved.mode == "full" and "needs >= 100 measured prompts" in unresolved.source
-    assert (prompts_needed(0.9), prompts_needed(0.95), prompts_needed(1.0) > 10**6) == (
-        10,
-        20,
-        True,
-    )
+    unresolved = ctl.choose(0.995)  # 200 prompts cannot resolve 0.995
+    assert unresolved.mode == "full" and "needs >= 327 measured prompts" in unresolved.source
     nothing = FidelityController(None).choose(0.5)
     assert nothing.mode == "full" and "no calibration" in nothing.source
 
 
 def test_shadow_outcomes_move_the_choice():
     ctl = FidelityController(_calibration())
-    for _ in range(10):  # live traffic disagrees: 18/30 pooled, under the target
+    for _ in range(30):  # live traffic disagrees: 180/230 pooled, under 0.85
         ctl.record("lookahead", 0.15, agreed=False)
-    chosen = ctl.choose(0.9)
+    chosen = ctl.choose(0.85)
     assert (chosen.selection, chosen.ratio, chosen.source) == ("lookahead", 0.5, "calibration")
-    assert ctl.live_agreement() == (0.0, 10)
+    assert ctl.live_agreement() == (0.0, 30)
 
 
 def test_calibration_roundtrip_and_corrupt_file(tmp_path):
@@ -103,14 +118,14 @@ def test_engine_runs_the_chosen_setting_and_falls_back_to_full(engine_with_calib
     segs = engine.segments(docs, question, instruction=INSTRUCTION)
     engine.precompute(segs.chunk_ids)
     one = SamplingParams(max_tokens=1)
-    res = engine.run(GenerationRequest(segs, one, fidelity=0.9))
+    res = engine.run(GenerationRequest(segs, one, fidelity=0.85))
     assert (res.stats.mode, res.stats.recompute_ratio, res.stats.selection) == (
         "blend",
         0.15,
         "lookahead",
     )
     assert res.stats.as_dict()["fidelity"] == {
-        "target": 0.9,
+        "target": 0.85,
         "expected_agreement": 0.9,
         "source": "calibration",
     }

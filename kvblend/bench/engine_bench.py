@@ -178,6 +178,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "blend@R, blend@R/query, blend@R/lookahead, blend@R/lookahead:N",
     )
     p.add_argument(
+        "--policies",
+        default="",
+        help="comma-separated prefill policies to run instead of the --modes x --ratios x "
+        "--selection grid, e.g. reuse,blend@0.15,blend@0.3/lookahead (full always runs first)",
+    )
+    p.add_argument(
         "--max-tokens", type=int, default=32, help="greedy tokens per answer (default 32)"
     )
     p.add_argument("--seed", type=int, default=0, help="shuffle seed")
@@ -251,15 +257,10 @@ def run(args) -> int:
         )
     num_run = len(examples) - args.offset
     engine = create_engine(cfg)  # after the data checks: a bad flag costs no model load
-    runs = [ModeRun("full", "full", 1.0)]
-    runs += [
-        ModeRun(m, m, 1.0 if m == "prefix" else 0.0) for m in ("prefix", "reuse") if m in modes
-    ]
-    runs += [
-        ModeRun(_blend_name(r, sel), "blend", r, sel)
-        for r in (ratios if "blend" in modes else [])
-        for sel in selections
-    ]
+    runs = _policy_runs(args.policies) if args.policies else _grid_runs(modes, ratios, selections)
+    if args.policies:
+        modes = [mr.mode for mr in runs]
+        selections = list(dict.fromkeys(mr.selection for mr in runs if mr.selection)) or selections
     rng = random.Random(args.seed)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     progress = _progress(num_run)
@@ -332,6 +333,42 @@ def run(args) -> int:
         args,
         f"bench/results/engine-{_slug(engine.model_id)}-{cfg.model.dtype}{data}{where}.json",
     )
+
+
+def _grid_runs(modes: list[str], ratios: list[float], selections: list[str]) -> list[ModeRun]:
+    runs = [ModeRun("full", "full", 1.0)]
+    runs += [
+        ModeRun(m, m, 1.0 if m == "prefix" else 0.0) for m in ("prefix", "reuse") if m in modes
+    ]
+    return runs + [
+        ModeRun(_blend_name(r, sel), "blend", r, sel)
+        for r in (ratios if "blend" in modes else [])
+        for sel in selections
+    ]
+
+
+def _policy_runs(text: str) -> list[ModeRun]:
+    """``--policies``: full, then each named policy once (a blend needs its ratio)."""
+    runs = [ModeRun("full", "full", 1.0)]
+    for spelling in dict.fromkeys(s.strip() for s in text.split(",") if s.strip()):
+        try:
+            policy = PrefillPolicy.parse(spelling)
+        except ValueError as e:
+            raise SystemExit(f"kvblend bench engine: --policies {spelling!r}: {e}") from None
+        if policy.mode is None or policy.mode == "full":
+            continue
+        if policy.mode == "blend":
+            if policy.ratio is None:
+                raise SystemExit(f"kvblend bench engine: --policies {spelling!r} needs a ratio")
+            selection = policy.selection_label or "deviation"
+            runs.append(
+                ModeRun(_blend_name(policy.ratio, selection), "blend", policy.ratio, selection)
+            )
+        else:
+            runs.append(
+                ModeRun(str(policy.mode), str(policy.mode), 1.0 if policy.mode == "prefix" else 0.0)
+            )
+    return runs
 
 
 def _publish(result: dict, args, default_out: str) -> int:

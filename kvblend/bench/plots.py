@@ -236,3 +236,53 @@ def plot_engine(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_pareto(runs: list[dict], path: Path) -> None:
+    """The TTFT-vs-fidelity front of `bench engine` runs, one panel per run (model and data): x the
+    paired median speed-up over full prefill, y the mean first-token KL vs full (log; lower is
+    better), each point labelled with its policy and first-token agreement."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4.4), squeeze=False)
+    for ax, result in zip(axes[0], runs):
+        rows = [
+            r
+            for r in result["modes"]
+            if r["mode"] != "full" and r.get("first_token_kl_vs_full") is not None
+        ]
+        for sel in dict.fromkeys(_row_sel(r) for r in rows):
+            pts = sorted((r for r in rows if _row_sel(r) == sel), key=lambda r: r["ratio"])
+            xs = [r.get("speedup_paired_median") or r["speedup_vs_full"] for r in pts]
+            ys = [max(r["first_token_kl_vs_full"], 1e-4) for r in pts]
+            ax.plot(xs, ys, "o-" if sel != "reuse" else "x", label=sel)
+            for x, y, r in zip(xs, ys, pts):
+                ax.annotate(
+                    f"{r['name']}\n{r['first_token_agreement']:.0%} agree",
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=6,
+                )
+        ax.axvline(3.0, color="grey", linestyle=":", linewidth=1)
+        ax.axhline(0.1, color="grey", linestyle=":", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("paired TTFT speed-up vs full prefill (log)")
+        ax.set_ylabel("mean first-token KL vs full (log)")
+        where = result.get("device_name") or result.get("device", "cpu")
+        ax.set_title(
+            f"{result['model']} ({result['dtype']})\n{where}, {result.get('threads', '?')} threads"
+            f" | n = {result['examples']} {_data_name(result)}"
+            f" | {len(result.get('files', [1]))} run(s)",
+            fontsize=8,
+        )
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _row_sel(row: dict) -> str:
+    if row["mode"] != "blend":
+        return row["mode"]
+    return _blend_label(row.get("selection") or "deviation")

@@ -31,6 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="file whose headline block is rewritten ('' to leave it alone)",
     )
     p.add_argument(
+        "--pareto",
+        type=Path,
+        default=Path("docs/pareto.png"),
+        help="the TTFT-vs-fidelity plot of the newest engine runs of at least 20 prompts per model "
+        "and data ('' for none; not written with --check)",
+    )
+    p.add_argument(
         "--check",
         action="store_true",
         help="write nothing; exit 1 if a document differs from what the results give",
@@ -308,7 +315,39 @@ def run(args: argparse.Namespace) -> int:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(outputs[p], encoding="utf-8")
         print(f"wrote {p}", file=sys.stderr)
+    fronts = pareto_runs(results)
+    if str(args.pareto) not in ("", ".") and fronts:
+        from kvblend.bench.plots import plot_pareto
+
+        args.pareto.parent.mkdir(parents=True, exist_ok=True)
+        plot_pareto(fronts, args.pareto)
+        print(f"wrote {args.pareto}", file=sys.stderr)
     return 0
+
+
+def pareto_runs(results: list[tuple[Path, dict]]) -> list[dict]:
+    """Per (model, data): the rows of the engine runs of at least HEADLINE_MIN_EXAMPLES prompts
+    with first-token KL on the newest run's machine, dtype, n and seed (so the same prompts), the
+    newest row of each name kept; each row's speed-up is paired within its own run."""
+    merged: dict[tuple, dict] = {}
+    for path, d in results:  # newest first
+        if _kind(d) != "engine" or d.get("examples", 0) < HEADLINE_MIN_EXAMPLES:
+            continue
+        rows = [r for r in d.get("modes", []) if r.get("first_token_kl_vs_full") is not None]
+        if not any(r["mode"] == "blend" for r in rows):
+            continue
+        run = merged.setdefault((d["model"], _data_name(d)), {**d, "modes": [], "files": []})
+        if _setup(run) != _setup(d):  # an older run on another machine, dtype or prompt set
+            continue
+        names = {r["name"] for r in run["modes"]}
+        run["modes"] += [r for r in rows if r["name"] not in names]
+        run["files"].append(path.name)
+    return sorted(merged.values(), key=lambda d: (str(d["model"]), _data_name(d)))
+
+
+def _setup(d: dict) -> tuple:
+    settings = (d.get("deviation"), tuple(d.get("check_layers") or ()))
+    return d["dtype"], d.get("device_name"), d["examples"], d.get("seed", 0), settings
 
 
 def _data_name(result: dict) -> str:

@@ -4,8 +4,8 @@ full prefill at or above a target, from a calibration run and from shadow full p
 `kvblend calibrate` measures, per model and dtype, first-token agreement / KL / paired TTFT speed-up of
 each (selection, ratio) against full prefill and writes them next to the model's weights cache
 (``calibration_path``). For a target, ``FidelityController.choose`` takes the fastest measured setting
-whose agreement meets it, measured on enough prompts to resolve the target (``prompts_needed``);
-where none does (or nothing is calibrated), full prefill: the target is then
+whose agreement meets it at a one-sided 90% Wilson lower bound (``agreement_lower_bound``; so a
+setting needs enough prompts to resolve the target, ``prompts_needed``); where none does (or nothing is calibrated), full prefill: the target is then
 met by construction, and the request's stats say so (``source``). Shadow full prefills of sampled live
 requests (run when the engine is idle) add their outcome to the setting's count, so a setting whose
 live agreement drifts under the target stops being chosen.
@@ -98,13 +98,28 @@ class Setting:
     source: str  # "calibration", "calibration+shadow", or "fallback: ..."
 
 
-def prompts_needed(target: float) -> int:
-    """Prompts a setting must be measured on before it may serve ``target``: enough that one disagreeing
-    prompt alone would put it under the target (20 for 0.95, 10 for 0.9). A target of 1.0 is never
-    served by a blend."""
+# One-sided 90% confidence: a setting serves a target only if the lower bound of its measured
+# agreement reaches it. Choosing the fastest setting whose point estimate passes picks the luckiest
+# sample (scripts/fidelity_holdout.py measured held-out agreement under the target that way).
+CONFIDENCE_Z = 1.2816
+
+
+def agreement_lower_bound(agreement: float, n: int, z: float = CONFIDENCE_Z) -> float:
+    """Wilson score lower bound of a first-token agreement measured on ``n`` prompts."""
+    if n <= 0:
+        return 0.0
+    z2n = z * z / n
+    center = agreement + z2n / 2
+    spread = z * math.sqrt(agreement * (1 - agreement) / n + z2n / (4 * n))
+    return max(0.0, (center - spread) / (1 + z2n))
+
+
+def prompts_needed(target: float, z: float = CONFIDENCE_Z) -> int:
+    """Fewest prompts on which a setting agreeing on every one reaches ``target`` at the lower bound
+    (n / (n + z^2) >= target): 15 for 0.9, 32 for 0.95. A target of 1.0 is never served by a blend."""
     if target >= 1.0:
         return 1 << 30
-    return math.ceil(1.0 / (1.0 - target) - 1e-9)
+    return math.ceil(z * z * target / (1.0 - target) - 1e-9)
 
 
 @dataclass
@@ -145,7 +160,8 @@ class FidelityController:
         for point in self.calibration.points:
             agreement, n = self.estimate(point)
             speed = point.speedup if point.speedup is not None else 1.0 / max(point.ratio, 1e-3)
-            if agreement >= target and n >= needed and point.ratio < 1.0 and speed > best_speed:
+            passes = agreement_lower_bound(agreement, n) >= target
+            if passes and point.ratio < 1.0 and speed > best_speed:
                 best, best_speed, best_agree = point, speed, agreement
         if best is None and max(self.estimate(p)[1] for p in self.calibration.points) < needed:
             return Setting(
@@ -165,8 +181,9 @@ class FidelityController:
                 None,
                 target,
                 1.0,
-                f"fallback: no blend setting reached {target:g} (best {top.key}: "
-                f"{self.estimate(top)[0]:.2f}); full prefill",
+                f"fallback: no blend setting reached {target:g} at the 90% lower bound (best "
+                f"{top.key}: {self.estimate(top)[0]:.2f} on {self.estimate(top)[1]} prompts); "
+                "full prefill",
             )
         with self._lock:
             shadowed = self._live.get(best.key, _Tally()).total > 0
