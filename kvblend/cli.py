@@ -21,7 +21,8 @@ COMMANDS: list[tuple[str, str, str]] = [
     (
         "calibrate",
         "kvblend.bench.calibrate",
-        "measure blend settings against full prefill; writes the model's calibration for fidelity targets",
+        "measure blend settings against full prefill; writes the model's calibration "
+        "for fidelity targets",
     ),
     (
         "eval",

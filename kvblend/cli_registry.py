@@ -7,8 +7,8 @@ import importlib
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """Appends each option's default to its help, except where there is none to show (None, False) or the
-    help already names it."""
+    """Appends each option's default to its help, except where there is none to show (None, False)
+    or the help already names it."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -23,8 +23,9 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 def add_command_parsers(
     sub: argparse._SubParsersAction, commands: list[tuple[str, str, str]], run_attr: str
 ) -> None:
-    """For each (name, module, help): a sub-parser filled by ``module.add_arguments`` whose defaults carry
-    ``module.run`` under ``run_attr``. A kvblend module missing from this checkout is left out."""
+    """For each (name, module, help): a sub-parser filled by ``module.add_arguments`` whose
+    defaults carry ``module.run`` under ``run_attr``. A kvblend module missing from this
+    checkout is left out."""
     for name, module, help_text in commands:
         p = sub.add_parser(
             name, help=help_text, description=help_text, formatter_class=DefaultsHelpFormatter
@@ -40,7 +41,8 @@ def add_command_parsers(
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--model and --dtype, as every command that loads an engine takes them (defaults: KVBLEND_*)."""
+    """--model and --dtype, as every command that loads an engine takes them
+    (defaults: KVBLEND_*)."""
     from kvblend.config import default_dtype, default_model
 
     p.add_argument(

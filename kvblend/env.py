@@ -1,9 +1,10 @@
 """Every environment variable kvblend reads, typed, in one registry: the only module that reads
 ``os.environ``.
 
-Callers ask by name: ``env.read("KVBLEND_THREADS")`` gives the parsed value or the variable's default;
-a malformed value is a ``ValueError`` naming the variable. An upstream model's key is read from the
-variable its config entry names (``read_secret``): the operator chooses that name, so it is not listed.
+Callers ask by name: ``env.read("KVBLEND_THREADS")`` gives the parsed value or the variable's
+default; a malformed value is a ``ValueError`` naming the variable. An upstream model's key is
+read from the variable its config entry names (``read_secret``): the operator chooses that name,
+so it is not listed.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def read(name: str) -> Any:
 
 
 def read_secret(name: str) -> str:
-    """The value of the variable a config entry names (``api_key_env``); "" when unnamed or unset."""
+    """The value of the variable a config entry names (``api_key_env``); "" when
+    unnamed or unset."""
     return os.environ.get(name, "") if name else ""
 
 
@@ -107,7 +109,8 @@ def set_default(name: str, value: str) -> bool:
 
 
 def child_environ(prepend_path: str = "") -> dict[str, str]:
-    """This process's environment for a child Python, with ``prepend_path`` first on its PYTHONPATH."""
+    """This process's environment for a child Python, with ``prepend_path`` first
+    on its PYTHONPATH."""
     child = dict(os.environ)
     if prepend_path:
         child["PYTHONPATH"] = os.pathsep.join(filter(None, [prepend_path, child.get("PYTHONPATH")]))

@@ -1,10 +1,11 @@
-"""One layer's ops on a model's shapes, through the calls the engine makes, timed against each other:
-PyTorch (SDPA as TorchAttention calls it), FlexAttention compiled for the CPU with a block mask, and the
-native kernels (kvblend/kernels) built for the model's head size. Answers "which should the engine keep
-for each op?" before anyone writes more intrinsics.
+"""One layer's ops on a model's shapes, through the calls the engine makes, timed against each
+other: PyTorch (SDPA as TorchAttention calls it), FlexAttention compiled for the CPU with a block
+mask, and the native kernels (kvblend/kernels) built for the model's head size. Answers "which
+should the engine keep for each op?" before anyone writes more intrinsics.
 
     .venv/bin/python scripts/attention_ops_bench.py [--shapes qwen1.5b,smollm2] [--tokens 6000]
-        [--ratio 0.15] [--rounds 5] [--threads 2] [--no-flex] [--out bench/results/attention-ops-....json]
+        [--ratio 0.15] [--rounds 5] [--threads 2] [--no-flex]
+        [--out bench/results/attention-ops-....json]
 
 Shapes (random tensors; op timings do not depend on the values):
     qwen1.5b   12 query / 2 KV heads, head_dim 128, hidden 1536, MLP 8960 (Qwen2.5-1.5B)
@@ -12,14 +13,17 @@ Shapes (random tensors; op timings do not depend on the values):
 
 Ops, per shape, each with RoPE of its queries and every key (what one layer's attention call does):
     full_prefill   every row, causal
-    blend_rows     ``ratio`` of the rows scattered through the prompt (and the last), exact causal by position
-    decode         one row over the cache's rotated keys (no RoPE: the keys are already in the cache)
-    key_mass       lookahead's reuse pass: the last 32 rows, plus each key's attention summed over them
+    blend_rows     ``ratio`` of the rows scattered through the prompt (and the last), exact causal
+                   by position
+    decode         one row over the cache's rotated keys (no RoPE: the keys are already in the
+                   cache)
+    key_mass       lookahead's reuse pass: the last 32 rows, plus each key's attention summed over
+                   them
     rms_norm / mlp on 128 rows (torch eager, torch.compile, native where the build has it)
 
-Every candidate of an op runs once per round, the rounds interleaved, so a busy host slows them alike;
-the JSON keeps each op's medians and the per-round times. The first call of each candidate (builds,
-compilation) is timed apart as ``first_call_s``.
+Every candidate of an op runs once per round, the rounds interleaved, so a busy host slows them
+alike; the JSON keeps each op's medians and the per-round times. The first call of each candidate
+(builds, compilation) is timed apart as ``first_call_s``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvblend.blend.blender import KernelAttention, QueryAttentionRecorder, TorchAttention  # noqa: E402
+from kvblend.blend.blender import (  # noqa: E402
+    KernelAttention,
+    QueryAttentionRecorder,
+    TorchAttention,
+)
 from kvblend.blend.rope import apply_rope  # noqa: E402
 from kvblend.config import cpu_model_name, default_cache_dir  # noqa: E402
 from kvblend.kernels import KernelUnavailable, select_rows_attention  # noqa: E402
@@ -56,7 +64,8 @@ ROWWISE_ROWS = (
 
 
 def create_model(shape: dict) -> torch.nn.Module:
-    """A one-layer random Qwen2 model of ``shape`` (bf16): TransformerOps over it make the engine's calls."""
+    """A one-layer random Qwen2 model of ``shape`` (bf16): TransformerOps over it make
+    the engine's calls."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
@@ -75,7 +84,8 @@ def create_model(shape: dict) -> torch.nn.Module:
 
 
 def flex_candidate(ops: TransformerOps, num_tokens: int, active: torch.Tensor, causal: bool):
-    """RoPE + FlexAttention compiled for the CPU with a block mask of ``active`` rows' exact causal mask."""
+    """RoPE + FlexAttention compiled for the CPU with a block mask of ``active`` rows'
+    exact causal mask."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     positions = active.clone()
@@ -108,7 +118,8 @@ def flex_candidate(ops: TransformerOps, num_tokens: int, active: torch.Tensor, c
 
 
 def attention_candidates(ops_torch, ops_native, num_tokens, active, with_flex: bool):
-    """{name: callable(q, k_pre, v, k_cache)} for one set of active rows, and notes (mask build time)."""
+    """{name: callable(q, k_pre, v, k_cache)} for one set of active rows, and notes
+    (mask build time)."""
     cands, notes = {}, {}
     torch_attn = TorchAttention(ops_torch, num_tokens)
     cands["torch_sdpa"] = lambda q, k, v, kc: torch_attn(0, q, k, v, kc, active)
@@ -125,7 +136,8 @@ def attention_candidates(ops_torch, ops_native, num_tokens, active, with_flex: b
 
 
 def key_mass_candidates(ops_torch, ops_native, num_tokens, active):
-    """Lookahead's reuse pass: attention of ``active`` rows plus the attention every key receives."""
+    """Lookahead's reuse pass: attention of ``active`` rows plus the attention
+    every key receives."""
     cands = {}
     torch_attn = TorchAttention(ops_torch, num_tokens)
 
@@ -158,7 +170,8 @@ def rowwise_candidates(ops_torch, ops_native, with_compile: bool):
     """RMSNorm and the MLP of the layer (HF modules eager / compiled; native norm + SiLU*up)."""
     layer = ops_torch.layers[0]
     norm, mlp = layer.input_layernorm, layer.mlp
-    # kvblend's own MLP path (fused gate/up, + residual): PyTorch ops, or the native SiLU*up / AMX projections
+    # kvblend's own MLP path (fused gate/up, + residual): PyTorch ops, or the native
+    # SiLU*up / AMX projections
     cands = {
         "rms_norm": {"torch_eager": norm},
         "mlp": {"torch_eager": mlp, "kvblend_torch": lambda x: ops_torch._mlp(0, x, x)},
@@ -270,7 +283,8 @@ def bench_shape(name: str, args) -> dict:
         "ratio": args.ratio,
         "kernel": kernel_note,
         "ops": ops,
-        # the lowest median per op; on a busy host read it with the rounds (what is kept is in the docs)
+        # the lowest median per op; on a busy host read it with the rounds (what is
+        # kept is in the docs)
         "fastest": {
             op: min(
                 (c for c, r in res.items() if isinstance(r, dict)),

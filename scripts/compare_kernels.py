@@ -1,18 +1,20 @@
-"""Full prefill and blend@R of one MuSiQue prompt on several (dtype, attention kernel[, deviation]) engines,
-interleaved round by round, so a busy host slows every engine alike. Answers "which dtype and kernel should
-this CPU run?" (and "what does a check cost?") with ratios measured in one run.
+"""Full prefill and blend@R of one MuSiQue prompt on several (dtype, attention kernel[, deviation])
+engines, interleaved round by round, so a busy host slows every engine alike. Answers "which dtype
+and kernel should this CPU run?" (and "what does a check cost?") with ratios measured in one run.
 
-    .venv/bin/python scripts/compare_kernels.py [--engines float32/avx2,bfloat16/torch,bfloat16/avx512bf16]
+    .venv/bin/python scripts/compare_kernels.py
+        [--engines float32/avx2,bfloat16/torch,bfloat16/avx512bf16]
         [--model x.gguf] [--example 0] [--rounds 4] [--warmup 1] [--ratio 0.15] [--max-tokens 1]
         [--threads 2] [--out bench/results/kernels-....json]
 
-An engine is dtype/kernel or dtype/kernel/deviation (``bfloat16/auto/v,bfloat16/auto/attn``: blend's check
-by V deviation at layer 1 against attention-output deviation at layer 0; default: BlendConfig's).
+An engine is dtype/kernel or dtype/kernel/deviation (``bfloat16/auto/v,bfloat16/auto/attn``:
+blend's check by V deviation at layer 1 against attention-output deviation at layer 0;
+default: BlendConfig's).
 
-The first ``--warmup`` rounds (default 1) warm every engine (kernels built, buffers pooled) and are not
-counted. Each engine prints its median TTFT per mode and the first token (the engines should agree on it);
-with ``--max-tokens`` > 1 also the median decoding ms a token (the request's time after the first token,
-over the tokens after it).
+The first ``--warmup`` rounds (default 1) warm every engine (kernels built, buffers pooled) and are
+not counted. Each engine prints its median TTFT per mode and the first token (the engines should
+agree on it); with ``--max-tokens`` > 1 also the median decoding ms a token (the request's time
+after the first token, over the tokens after it).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def create_engines(names: list[str], threads: int, model: str = "") -> dict:
         cfg = ModelConfig(
             model=model, dtype=dtype, num_threads=threads, attention_kernel=kernel or "auto"
         )
-        # every request recomputes: no chained blended-prefix entries, so rounds measure the same work
+        # every request recomputes: no chained blended-prefix entries, so rounds
+        # measure the same work
         blend = BlendConfig(
             store_blended_prefix=False, **({"deviation": deviation} if deviation else {})
         )
@@ -100,12 +103,12 @@ def run_rounds(
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument(
         "--engines",
         default="float32/avx2,bfloat16/torch,bfloat16/avx512bf16",
-        help="comma-separated dtype/kernel[/deviation] (kernel: auto, amx, avx512bf16, avx2, torch; "
-        "deviation: v, k, kv, attn)",
+        help="comma-separated dtype/kernel[/deviation] (kernel: auto, amx, avx512bf16, avx2, "
+        "torch; deviation: v, k, kv, attn)",
     )
     p.add_argument("--example", type=int, default=0, help="MuSiQue example index")
     p.add_argument("--rounds", type=int, default=4)
@@ -143,7 +146,8 @@ def main() -> int:
         dec = res["full"]["median_decode_ms_per_token"]
         print(
             f"{name} ({engines[name].attention_kernel}): full {full:.0f} ms, {blend} {part:.0f} ms "
-            f"({full / part:.2f}x); first tokens {res['full']['first_token']} / {res[blend]['first_token']}"
+            f"({full / part:.2f}x); first tokens {res['full']['first_token']} / "
+            f"{res[blend]['first_token']}"
             + (f"; decoding {dec:.0f} ms a token (after full)" if dec is not None else "")
         )
     if args.out:

@@ -4,22 +4,24 @@
         --out bench/results/diagnose-<model>.json
 
 Per prompt (built as `kvblend bench engine` builds it, same shuffle), against full prefill:
-  layer_error      per layer, relative L2 error of the stored (chunk computed alone) K and V of chunk rows,
-                   split into chunk-initial rows (the first ``--starts`` of each chunk) and the rest
-  query_reads      per layer, the share of the query's attention on the prefix (the sink), on chunk-initial
-                   rows, on the other chunk rows and on the query itself, over full prefill's KV and over
-                   the stored KV (a reuse pass: what lookahead sees)
-  recall           how many of full prefill's top-r chunk rows (by the query's attention summed over layers)
-                   the reuse pass's ranking finds: the ceiling of lookahead's estimate
-  variants         first-token agreement and KL of recompute schemes at each ratio (selection_oracle's,
-                   plus the ones below)
+  layer_error      per layer, relative L2 error of the stored (chunk computed alone) K and V of
+                   chunk rows, split into chunk-initial rows (the first ``--starts`` of each chunk)
+                   and the rest
+  query_reads      per layer, the share of the query's attention on the prefix (the sink), on
+                   chunk-initial rows, on the other chunk rows and on the query itself, over full
+                   prefill's KV and over the stored KV (a reuse pass: what lookahead sees)
+  recall           how many of full prefill's top-r chunk rows (by the query's attention summed over
+                   layers) the reuse pass's ranking finds: the ceiling of lookahead's estimate
+  variants         first-token agreement and KL of recompute schemes at each ratio
+                   (selection_oracle's, plus the ones below)
 Extra schemes (references for the engine's options):
   lookahead+tempS  lookahead, with the stored chunk K that stays reused scaled by S (an attention
-                   temperature on reused chunks, as APE does; K is linear under RoPE, so it scales logits)
-  wide             lookahead's ranking picks 2x the budget from layer 0; a query check at the middle layer
-                   keeps the budget from there on (per-layer budgets: cost ~1.5x the ratio)
-  ctxprefix        chunks precomputed behind the whole prompt prefix (template + instruction) instead of
-                   the template's opening only; reuse and lookahead
+                   temperature on reused chunks, as APE does; K is linear under RoPE, so it scales
+                   logits)
+  wide             lookahead's ranking picks 2x the budget from layer 0; a query check at the middle
+                   layer keeps the budget from there on (per-layer budgets: cost ~1.5x the ratio)
+  ctxprefix        chunks precomputed behind the whole prompt prefix (template + instruction)
+                   instead of the template's opening only; reuse and lookahead
 Timing is not measured here (see `kvblend bench engine`); this is the fidelity side only.
 """
 
@@ -53,8 +55,8 @@ BASE_VARIANTS = ("deviation", "lookahead", "oracle-attn", "oracle-dev", "random"
 
 
 class LayerRecorder:
-    """Per-layer snapshots of the query attention a recording pass adds (PyTorch attention path only:
-    the native kernels add key mass in place, without a per-layer call)."""
+    """Per-layer snapshots of the query attention a recording pass adds (PyTorch attention path
+    only: the native kernels add key mass in place, without a per-layer call)."""
 
     def __init__(self):
         self.layers: list[torch.Tensor] = []
@@ -83,7 +85,8 @@ def chunk_starts_mask(p: oracle.Prompt, count: int) -> torch.Tensor:
 
 
 def layer_error(p: oracle.Prompt, starts: torch.Tensor) -> dict:
-    """Per layer: ||stored - full|| / ||full|| over chunk rows, K (pre-RoPE) and V, starts vs rest."""
+    """Per layer: ||stored - full|| / ||full|| over chunk rows, K (pre-RoPE) and
+    V, starts vs rest."""
     out = {}
     chunk = torch.zeros(p.num_tokens, dtype=torch.bool)
     chunk[p.chunk_rows] = True
@@ -150,7 +153,8 @@ def extra_logits(
 def run_variants(
     p, ratios, variants, extras, gen, reuse_attn, full_attn, screen_only=(), screen_ratio=0.15
 ) -> dict:
-    """Each variant at each ratio, except ``screen_only`` ones (and the extras): at ``screen_ratio`` only."""
+    """Each variant at each ratio, except ``screen_only`` ones (and the extras): at
+    ``screen_ratio`` only."""
     out = {}
     for r in ratios:
         num_keep = num_to_keep(r, p.chunk_rows.numel())
@@ -257,7 +261,8 @@ def main() -> int:
     ratios = [float(r) for r in args.ratios.split(",")]
     variants = [v for v in args.variants.split(",") if v]
     extras = [v for v in args.extras.split(",") if v]
-    # PyTorch attention: the recorder then sees every layer (the native kernels add key mass in place)
+    # PyTorch attention: the recorder then sees every layer (the native kernels
+    # add key mass in place)
     engine = create_engine(
         EngineConfig(
             model=ModelConfig(model=args.model, dtype=args.dtype, attention_kernel="torch")

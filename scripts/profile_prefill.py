@@ -1,20 +1,22 @@
-"""Where a prefill's time goes: median TTFT per mode, then one torch.profiler table per mode (CPU or CUDA).
+"""Where a prefill's time goes: median TTFT per mode, then one torch.profiler table
+per mode (CPU or CUDA).
 
-    .venv/bin/python scripts/profile_prefill.py [--model DIR|GGUF] [--device cuda] [--dtype bfloat16]
-        [--modes full,reuse,blend@0.15,blend@0.15/lookahead] [--example 0] [--repeats 5] [--rows 15] [--variants gqa,expand] [--shapes]
-        [--parts] [--decode-tokens 32]
+    .venv/bin/python scripts/profile_prefill.py [--model DIR|GGUF] [--device cuda]
+        [--dtype bfloat16] [--modes full,reuse,blend@0.15,blend@0.15/lookahead] [--example 0]
+        [--repeats 5] [--rows 15] [--variants gqa,expand] [--shapes] [--parts] [--decode-tokens 32]
 
 --parts times the parts of each mode's requests by wrapping the engine's calls (means over --repeats
-requests, so the parts add up to the mean TTFT): loading stored KV (what the request waited for), norms + Q/K/V
-projections, the attention calls (the native kernel's key preparation included), o_proj + MLP, row scatters,
-the last row's logits, and the rest (planning, selection, Python). The native kernels run outside
-torch.profiler, which sees only PyTorch's ops.
+requests, so the parts add up to the mean TTFT): loading stored KV (what the request waited for),
+norms + Q/K/V projections, the attention calls (the native kernel's key preparation included),
+o_proj + MLP, row scatters, the last row's logits, and the rest (planning, selection, Python). The
+native kernels run outside torch.profiler, which sees only PyTorch's ops.
 
---random-weights DIR builds a random-weight model from DIR's config.json and tokenizer files (timing does not
-depend on the weights, so a machine without the real weights can still be profiled). --variants compares
-ways of calling PyTorch's attention in one run: "gqa" (the engine's: K/V heads shared through enable_gqa)
-and "expand" (K/V repeated to every query head first, which some SDPA backends need to pick a fused kernel).
-Every request recomputes (no chained blended-prefix entries), so repeats measure the same work.
+--random-weights DIR builds a random-weight model from DIR's config.json and tokenizer files (timing
+does not depend on the weights, so a machine without the real weights can still be profiled).
+--variants compares ways of calling PyTorch's attention in one run: "gqa" (the engine's: K/V heads
+shared through enable_gqa) and "expand" (K/V repeated to every query head first, which some SDPA
+backends need to pick a fused kernel). Every request recomputes (no chained blended-prefix entries),
+so repeats measure the same work.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvblend.platform import apply_malloc_defaults, apply_openmp_defaults  # noqa: E402
 
-# the `kvblend` CLI's process settings, so that timings here are the bench's: before torch loads OpenMP
+# the `kvblend` CLI's process settings, so that timings here are the bench's:
+# before torch loads OpenMP
 apply_openmp_defaults()
 apply_malloc_defaults()
 
@@ -77,8 +80,8 @@ def expanded_attend(self, q, k, v, mask, causal=True):
 def mode_request(
     segs, spec: PrefillPolicy, sampling: SamplingParams | None = None
 ) -> GenerationRequest:
-    """``spec`` as `eval` names modes (blend@0.15/lookahead); a bare blend takes the engine's ratio. One token
-    unless ``sampling`` says otherwise."""
+    """``spec`` as `eval` names modes (blend@0.15/lookahead); a bare blend takes the engine's ratio.
+    One token unless ``sampling`` says otherwise."""
     return GenerationRequest(segs, sampling or SamplingParams(max_tokens=1), spec)
 
 
@@ -113,7 +116,8 @@ PARTS = (
 
 @contextlib.contextmanager
 def timed_parts(device: str):
-    """Seconds spent in each PARTS label while inside, summed over calls (nested calls count once)."""
+    """Seconds spent in each PARTS label while inside, summed over calls (nested
+    calls count once)."""
     totals: dict[str, float] = collections.defaultdict(float)
     depth = [0]
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
@@ -145,7 +149,8 @@ def timed_parts(device: str):
 
 
 def parts_table(engine, segs, spec: PrefillPolicy, device: str, repeats: int) -> str:
-    """Markdown rows: where ``spec``'s requests spend their time, in ms a request (means over ``repeats``)."""
+    """Markdown rows: where ``spec``'s requests spend their time, in ms a request (means
+    over ``repeats``)."""
     time_mode(engine, segs, spec, 0)  # warm-up
     with timed_parts(device) as totals:
         stats = [engine.run(mode_request(segs, spec)).stats for _ in range(repeats)]
@@ -154,7 +159,8 @@ def parts_table(engine, segs, spec: PrefillPolicy, device: str, repeats: int) ->
     parts.update({label: seconds * 1e3 / repeats for label, seconds in totals.items()})
     parts["rest (planning, selection, Python)"] = ttft - sum(parts.values())
     lines = [
-        f"\n{spec.label}: mean TTFT {ttft:.1f} ms (median {statistics.median(s.ttft_ms for s in stats):.1f})",
+        f"\n{spec.label}: mean TTFT {ttft:.1f} ms (median "
+        f"{statistics.median(s.ttft_ms for s in stats):.1f})",
         "| part | ms a request | share |",
         "|---|---:|---:|",
     ]
@@ -176,7 +182,7 @@ def profile_mode(
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--model", default="", help="HF dir or .gguf (default: the embedded model)")
     p.add_argument(
         "--random-weights",
@@ -216,8 +222,10 @@ def main() -> int:
     segs = bench_segments(engine, list(reversed(ex.passages)), ex.question)
     engine.precompute(segs.chunk_ids)
     print(
-        f"{engine.model_id} {cfg.dtype} on {args.device} ({torch.cuda.get_device_name() if args.device != 'cpu' else 'cpu'}), "
-        f"attention kernel {engine.attention_kernel}, {segs.num_tokens} prompt tokens, {torch.get_num_threads()} threads"
+        f"{engine.model_id} {cfg.dtype} on {args.device} "
+        f"({torch.cuda.get_device_name() if args.device != 'cpu' else 'cpu'}), attention "
+        f"kernel {engine.attention_kernel}, {segs.num_tokens} prompt tokens, "
+        f"{torch.get_num_threads()} threads"
     )
     specs = [parse_mode_spec(text) for text in args.modes.split(",")]
     original = TransformerOps.attend
@@ -226,14 +234,15 @@ def main() -> int:
         for spec in specs:
             ttft = time_mode(engine, segs, spec, args.repeats)
             print(
-                f"[{variant}] {spec.label}: median TTFT {statistics.median(ttft):.1f} ms (min {min(ttft):.1f}, "
-                f"n={len(ttft)})",
+                f"[{variant}] {spec.label}: median TTFT {statistics.median(ttft):.1f} ms (min "
+                f"{min(ttft):.1f}, n={len(ttft)})",
                 flush=True,
             )
             if args.decode_tokens > 0:
                 ms = decode_ms_per_token(engine, segs, spec, args.decode_tokens, args.repeats)
                 print(
-                    f"[{variant}] {spec.label}: decoding {ms:.2f} ms a token ({args.decode_tokens} tokens)",
+                    f"[{variant}] {spec.label}: decoding {ms:.2f} ms a token "
+                    f"({args.decode_tokens} tokens)",
                     flush=True,
                 )
         if args.parts:
@@ -241,10 +250,8 @@ def main() -> int:
                 print(parts_table(engine, segs, spec, args.device, args.repeats), flush=True)
         if args.rows:
             for spec in specs:
-                print(
-                    f"\n--- [{variant}] {spec.label} ---\n{profile_mode(engine, segs, spec, args.device, args.rows, args.shapes)}",
-                    flush=True,
-                )
+                table = profile_mode(engine, segs, spec, args.device, args.rows, args.shapes)
+                print(f"\n--- [{variant}] {spec.label} ---\n{table}", flush=True)
     TransformerOps.attend = original
     return 0
 

@@ -1,22 +1,27 @@
 """How good could token selection get? First-token agreement and KL against full prefill when the
-recomputed chunk rows are chosen by the engine's selections and by two oracles that peek at full prefill.
+recomputed chunk rows are chosen by the engine's selections and by two oracles that
+peek at full prefill.
 
-    .venv/bin/python scripts/selection_oracle.py [--model GGUF|DIR] [--examples 10] [--ratios 0.15,0.3]
+    .venv/bin/python scripts/selection_oracle.py [--model GGUF|DIR] [--examples 10]
+        [--ratios 0.15,0.3]
 
-Every variant recomputes the same number of chunk rows (``num_to_keep(ratio, chunk rows)``) plus the query;
-the prefix is exact. Variants:
+Every variant recomputes the same number of chunk rows (``num_to_keep(ratio, chunk rows)``) plus the
+query; the prefix is exact. Variants:
   deviation      the engine's default: V deviation at check layer 1 (rows narrowed there)
   attn           the engine's --deviation attn: layer-0 attention output over every key vs over the
                  prefix and the row's own chunk (rows narrowed after layer 0's attention)
-  lookahead      the engine's: query attention summed over a reuse pass, rows recomputed from layer 0
+  lookahead      the engine's: query attention summed over a reuse pass, rows recomputed
+                 from layer 0
   lookahead:N    the same over the reuse pass's first N layers only (BlendConfig.lookahead_layers)
   random         uniform random chunk rows, recomputed from layer 0 (the floor)
-  starts         the first rows of every chunk, as many from each (EPIC's static choice, arXiv 2410.15332),
-                 recomputed from layer 0
-  startsN+lookahead[:M]  the first N rows of every chunk, the rest of the budget by lookahead's ranking
+  starts         the first rows of every chunk, as many from each (EPIC's static choice, arXiv
+                 2410.15332), recomputed from layer 0
+  startsN+lookahead[:M]  the first N rows of every chunk, the rest of the budget by lookahead's
+                         ranking
   oracle-attn    query attention summed over the layers of *full* prefill (what lookahead estimates)
-  oracle-dev     K+V deviation of the stored rows from full prefill's, summed over layers (each layer
-                 scaled by its mean), recomputed from layer 0: the rows whose stored KV is most wrong
+  oracle-dev     K+V deviation of the stored rows from full prefill's, summed over layers (each
+                 layer scaled by its mean), recomputed from layer 0: the rows whose stored KV is
+                 most wrong
 The oracles need full prefill first, so they are references, not selections a server could run.
 Prompts are built as `kvblend bench engine` builds them (same shuffle), float32 by default.
 """
@@ -47,7 +52,8 @@ VARIANTS = ("deviation", "attn", "lookahead", "random", "starts", "oracle-attn",
 
 
 class Prompt:
-    """One prompt's full-prefill reference and its stored KV (prefix exact, chunks computed alone)."""
+    """One prompt's full-prefill reference and its stored KV (prefix exact,
+    chunks computed alone)."""
 
     def __init__(self, engine, segs):
         self.ops = engine.ops
@@ -83,7 +89,8 @@ class Prompt:
         return run_prefill(self.ops, plan, cache)
 
     def blend(self, chosen: torch.Tensor, **plan_kwargs) -> torch.Tensor:
-        """Last-token logits with the query and ``chosen`` chunk rows computed over the stored KV."""
+        """Last-token logits with the query and ``chosen`` chunk rows computed
+        over the stored KV."""
         active = torch.unique(torch.cat([self.query_rows, chosen]))
         return self.run(
             self.stored_k.clone(), self.stored_v.clone(), self.stored_mask, active, **plan_kwargs
@@ -91,8 +98,8 @@ class Prompt:
 
     def query_attention(self, exact: bool, num_layers: int | None = None) -> torch.Tensor:
         """[chunk rows] attention the query gives each chunk row, summed over layers (the first
-        ``num_layers`` if given): over full prefill's KV (exact) or over the stored KV (a reuse pass, as
-        lookahead does)."""
+        ``num_layers`` if given): over full prefill's KV (exact) or over the stored KV (a reuse
+        pass, as lookahead does)."""
         k, v = (self.full_k, self.full_v) if exact else (self.stored_k, self.stored_v)
         out = self.run(
             k.clone(),
@@ -105,7 +112,8 @@ class Prompt:
         return out.query_attention[self.chunk_rows]
 
     def deviation(self) -> torch.Tensor:
-        """[chunk rows] K+V deviation of stored from full, each layer divided by its mean, summed."""
+        """[chunk rows] K+V deviation of stored from full, each layer divided by
+        its mean, summed."""
         rows = self.chunk_rows
         total = torch.zeros(rows.numel())
         for full, stored in ((self.full_k, self.stored_k), (self.full_v, self.stored_v)):
@@ -231,12 +239,13 @@ def main() -> int:
             )
     print(f"\n{engine.model_id} {args.dtype}, {args.examples} examples\n")
     print(
-        "| variant | first-token agreement | first-token KL vs full (mean) | KL (median) |\n|---|---:|---:|---:|"
+        "| variant | first-token agreement | first-token KL vs full (mean) | KL (median) |\n"
+        "|---|---:|---:|---:|"
     )
     for name, res in results.items():
         print(
-            f"| {name} | {statistics.fmean(res['agree']):.0%} | {statistics.fmean(res['kl']):.3f} | "
-            f"{statistics.median(res['kl']):.3f} |"
+            f"| {name} | {statistics.fmean(res['agree']):.0%} | {statistics.fmean(res['kl']):.3f} "
+            f"| {statistics.median(res['kl']):.3f} |"
         )
     if args.out:
         Path(args.out).write_text(

@@ -1,11 +1,13 @@
-"""Shared pytest fixtures. Each fixture block is self-contained; add yours below, don't edit others'."""
+"""Shared pytest fixtures. Each fixture block is self-contained; add yours below,
+don't edit others'."""
 
 from __future__ import annotations
 
 import pytest
 
-# ---- markers: unit / engine / e2e, from what a test needs (owner: house) --------------------------
-# e2e: a real server subprocess or redis-server; engine: the real model in this process; unit: the rest.
+# ---- markers: unit / engine / e2e, from what a test needs (owner: house) -------------------------
+# e2e: a real server subprocess or redis-server; engine: the real model in this
+# process; unit: the rest.
 E2E_FIXTURES = {"kvblend_server_factory", "redis_server"}
 ENGINE_MODULES = {
     "test_engine",
@@ -28,7 +30,7 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.unit)
 
 
-# ---- redis_server: a real, throwaway redis-server on a free port (owner: store) -------------------
+# ---- redis_server: a real, throwaway redis-server on a free port (owner: store) ------------------
 REDIS_SKIP_REASON = "redis-server not installed"
 REDIS_HINT = (
     "install it (Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis) and "
@@ -37,7 +39,8 @@ REDIS_HINT = (
 
 
 def pytest_terminal_summary(terminalreporter):
-    """A fresh machine without redis-server skips the shared-store tests: say so where people look."""
+    """A fresh machine without redis-server skips the shared-store tests: say so
+    where people look."""
     skipped = [
         r
         for r in terminalreporter.stats.get("skipped", [])
@@ -52,7 +55,8 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture
 def redis_server():
-    """A started ``LocalRedisServer`` (``.url``, ``.stop()``, ``.start()`` on the same port); killed after the test."""
+    """A started ``LocalRedisServer`` (``.url``, ``.stop()``, ``.start()`` on the same port);
+    killed after the test."""
     from kvblend.store.local_redis import LocalRedisServer
 
     if not LocalRedisServer.available():
@@ -169,8 +173,8 @@ class KVBlendServer:
 
 @pytest.fixture(scope="module")
 def kvblend_server_factory(tmp_path_factory):
-    """``start(config=None, args=None, env=None) -> KVBlendServer``; every server started is stopped at
-    module end. ``env`` adds variables to the server's environment."""
+    """``start(config=None, args=None, env=None) -> KVBlendServer``; every server started is stopped
+    at module end. ``env`` adds variables to the server's environment."""
     servers: list[KVBlendServer] = []
 
     def start(

@@ -36,15 +36,16 @@ INSTRUCTION = "Answer the question from the passages. Answer within 5 words.\n\n
 
 
 def load_script(name: str):
-    """scripts/<name>.py as a module (the scripts are not a package), so tests call its functions."""
+    """scripts/<name>.py as a module (the scripts are not a package), so tests
+    call its functions."""
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-# Gates parametrized over this run on the CPU everywhere and on CUDA where a GPU is present (CI has none;
-# `pytest tests -k cuda` on a GPU machine runs just those).
+# Gates parametrized over this run on the CPU everywhere and on CUDA where a GPU is present (CI has
+# none; `pytest tests -k cuda` on a GPU machine runs just those).
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
@@ -53,8 +54,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 def embedded_engine(
     dtype: str = "float32", attention_kernel: str = "auto", device: str = "cpu"
 ) -> Engine:
-    """The embedded model; ``attention_kernel`` "auto" takes the native kernel where this CPU has it,
-    "torch" pins PyTorch's kernels (so both prefill attention paths stay gated)."""
+    """The embedded model; ``attention_kernel`` "auto" takes the native kernel where this CPU has
+    it, "torch" pins PyTorch's kernels (so both prefill attention paths stay gated)."""
     return create_engine(
         EngineConfig(
             model=ModelConfig(
@@ -71,8 +72,8 @@ def musique_docs(example: int = 0, num_docs: int = 4) -> tuple[list[str], str]:
 
 
 def tiny_model_dir(tmp: Path, model_type: str = "llama", rope_scaling: dict | None = None) -> Path:
-    """A random-weight model of ``model_type`` with the embedded model's tokenizer (so chat templates
-    and segments work); small enough to build in a second."""
+    """A random-weight model of ``model_type`` with the embedded model's tokenizer (so chat
+    templates and segments work); small enough to build in a second."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base = embedded_engine("float32").loaded.model_dir
@@ -114,7 +115,7 @@ def tiny_engine(model_dir: Path, **blend) -> Engine:
     )
 
 
-# ---- store tests: random chunk KV, bit-exact comparison, a child interpreter ----------------------
+# ---- store tests: random chunk KV, bit-exact comparison, a child interpreter ---------------------
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -153,10 +154,11 @@ def kv_size(store_key: str, kv: ChunkKV) -> int:
 
 
 def run_python(code: str, env: dict | None = None, timeout: float = 120) -> str:
-    """Run ``code`` in a fresh interpreter of this venv (repo on sys.path); return stdout, raise on failure.
+    """Run ``code`` in a fresh interpreter of this venv (repo on sys.path); return
+    stdout, raise on failure.
 
-    For multi-process tests (e.g. two engine processes sharing one disk dir / Redis): build the store
-    or engine inside ``code`` from a StoreConfig and print what the parent should check.
+    For multi-process tests (e.g. two engine processes sharing one disk dir / Redis): build the
+    store or engine inside ``code`` from a StoreConfig and print what the parent should check.
     """
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
@@ -171,7 +173,7 @@ def run_python(code: str, env: dict | None = None, timeout: float = 120) -> str:
     return proc.stdout
 
 
-# ---- server tests: a word-per-token fake engine and TestClients over it ---------------------------
+# ---- server tests: a word-per-token fake engine and TestClients over it --------------------------
 CLIENT_KEY = "sk-client-key"
 
 
@@ -201,7 +203,8 @@ class FakeSeq:
 
 
 class FakeEngine:
-    """Words are tokens; generates "t0 t1 ..." up to max_tokens. ``gate`` holds start() until set."""
+    """Words are tokens; generates "t0 t1 ..." up to max_tokens. ``gate`` holds
+    start() until set."""
 
     model_id = "fake-model"
     max_context_len = 64

@@ -1,21 +1,25 @@
-"""A tiny OpenAI-compatible chat server (stdlib only) standing in for "any endpoint" in client tests.
+"""A tiny OpenAI-compatible chat server (stdlib only) standing in for "any
+endpoint" in client tests.
 
-Run as a process: ``python tests/openai_standin.py --key sk-test --models m1,m2`` prints ``PORT <n>``
-once listening on 127.0.0.1 (``--port 0`` picks a free one). ``StandinServer`` starts it from a test.
+Run as a process: ``python tests/openai_standin.py --key sk-test --models m1,m2`` prints
+``PORT <n>`` once listening on 127.0.0.1 (``--port 0`` picks a free one). ``StandinServer``
+starts it from a test.
 
 What it speaks, deliberately like real servers:
 - ``GET /health`` (no auth), ``GET /v1/models``, ``POST /v1/chat/completions`` (stream and not);
-  any other path is a 404 in OpenAI's error shape, so a base_url without ``/v1`` fails like it would.
+  any other path is a 404 in OpenAI's error shape, so a base_url without ``/v1``
+  fails like it would.
 - 401 unless ``Authorization: Bearer <key>`` matches exactly (when a key is configured).
 - 404 ``model_not_found`` for an unknown model id.
-- Streams start with a role-only delta and include one chunk with ``choices: []`` before the content,
-  which clients must tolerate; usage (with ``prompt_tokens_details.cached_tokens``) comes last when
-  ``stream_options.include_usage`` is set.
+- Streams start with a role-only delta and include one chunk with ``choices: []`` before the
+  content, which clients must tolerate; usage (with ``prompt_tokens_details.cached_tokens``) comes
+  last when ``stream_options.include_usage`` is set.
 - A simulated chunk cache: the user message is split at blank lines and pieces seen before count as
   cached tokens (a token = a whitespace word), unless the request asks for mode "full".
-- The answer is ``--answer`` (default "Paris"), except in mode "reuse" where it is "London Bridge", so
-  tests can see the per-request override change quality.
-- ``GET /debug/requests`` returns the received chat request bodies (for asserting extra_body fields).
+- The answer is ``--answer`` (default "Paris"), except in mode "reuse" where it is "London Bridge",
+  so tests can see the per-request override change quality.
+- ``GET /debug/requests`` returns the received chat request bodies (for
+  asserting extra_body fields).
 """
 
 from __future__ import annotations
@@ -278,7 +282,7 @@ class StandinServer:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--key", default="")
     p.add_argument("--models", default="standin-a")
@@ -308,8 +312,9 @@ if __name__ == "__main__":
     main()
 
 
-# ---- fixtures shared by the client / harness tests (import them into the test module) -------------
-import pytest  # noqa: E402  (fixtures only; the stand-in server itself needs nothing beyond the stdlib)
+# ---- fixtures shared by the client / harness tests (import them into the test module) ------------
+# fixtures only; the stand-in server itself needs nothing beyond the stdlib
+import pytest  # noqa: E402
 
 STANDIN_KEY = "sk-standin-0123456789abcd"
 

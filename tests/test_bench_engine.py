@@ -68,7 +68,8 @@ def test_bench_engine_modes_ratios_and_json(tmp_path):
     assert rows["full"]["speedup_vs_full"] == 1.0 and rows["full"]["first_token_kl_vs_full"] == 0.0
     assert rows["reuse"]["first_token_kl_vs_full"] > rows["blend@1"]["first_token_kl_vs_full"]
     assert "| blend@0 |" in proc.stdout and f"wrote {out}" in proc.stdout
-    # decoding after the first token is timed per mode (a step that samples EOS counts, it costs a step)
+    # decoding after the first token is timed per mode (a step that samples EOS
+    # counts, it costs a step)
     decode = [
         d for r in rows.values() for d in r["per_example"]["decode_ms_per_token"] if d is not None
     ]
@@ -102,8 +103,8 @@ def test_bench_engine_modes_ratios_and_json(tmp_path):
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in proc.stdout
 
-    # --offset: each example alone, in the passage order the two-example run gave it; --pool merges them
-    # into what that run reported (TTFT aside, which is measured anew)
+    # --offset: each example alone, in the passage order the two-example run gave it; --pool merges
+    # them into what that run reported (TTFT aside, which is measured anew)
     halves = []
     for offset in (0, 1):
         half = tmp_path / f"engine-{offset}.json"
@@ -199,8 +200,8 @@ def test_bench_engine_rejects_an_offset_past_the_data(tmp_path):
 
 
 def test_generate_takes_a_lookahead_depth_and_names_a_bad_one():
-    """`generate --selection` spells selections as `bench engine` does (lookahead:8); a bad one is an
-    argparse error naming what is accepted, before any model loads."""
+    """`generate --selection` spells selections as `bench engine` does (lookahead:8); a bad one is
+    an argparse error naming what is accepted, before any model loads."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -221,8 +222,9 @@ def test_generate_takes_a_lookahead_depth_and_names_a_bad_one():
 
 
 def test_model_and_device_errors_are_one_line(tmp_path):
-    """A device that is not there (cuda:7: no CUDA on a CPU-only build, too few GPUs elsewhere), a malformed
-    device and a missing model path each end the CLI with one line, no traceback and no JSON."""
+    """A device that is not there (cuda:7: no CUDA on a CPU-only build, too few GPUs
+    elsewhere), a malformed device and a missing model path each end the CLI with one line, no
+    traceback and no JSON."""
     out = tmp_path / "x.json"
     cases = [
         (

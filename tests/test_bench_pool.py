@@ -1,5 +1,6 @@
-"""`kvblend bench engine --pool`: per-example results of runs over disjoint example ranges merge into the
-report one run over all of them gives (pure functions; the CLI path runs in test_bench_engine)."""
+"""`kvblend bench engine --pool`: per-example results of runs over disjoint example ranges merge
+into the report one run over all of them gives (pure functions; the CLI path runs in
+test_bench_engine)."""
 
 from __future__ import annotations
 
@@ -88,8 +89,8 @@ def test_pooled_halves_equal_the_whole(tmp_path):
         pooled["examples"] == 9 and pooled["offset"] == 0 and pooled["prompt_tokens_median"] == 6000
     )
     assert pooled["pooled_from"] == [paths[1], paths[0]]
-    # the files keep rounded per-example values (TTFT to 0.01 ms, F1 / Rouge-L to 1e-4, KL to 1e-5): the
-    # pooled summaries match the whole run's to that rounding
+    # the files keep rounded per-example values (TTFT to 0.01 ms, F1 / Rouge-L to 1e-4, KL to 1e-5):
+    # the pooled summaries match the whole run's to that rounding
     tolerance = {
         "ttft_median_ms": 0.01,
         "speedup_vs_full": 2e-3,

@@ -1,4 +1,5 @@
-"""kvblend.client: auth.json profiles, the streaming helper and ``kvblend doctor``, against the stand-in server."""
+"""kvblend.client: auth.json profiles, the streaming helper and ``kvblend doctor``, against
+the stand-in server."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def run_doctor(auth: Path, profile: str | None = None) -> int:
     return doctor.run(parser.parse_args(argv))
 
 
-# --- auth.json --------------------------------------------------------------------------------------
+# --- auth.json ------------------------------------------------------------------------------------
 
 
 def test_mask_key_hides_the_key():
@@ -133,7 +134,7 @@ def test_missing_file_and_profile(tmp_path):
         load_endpoint(path, "z")
 
 
-# --- streaming helper -------------------------------------------------------------------------------
+# --- streaming helper -----------------------------------------------------------------------------
 
 
 def test_mode_specs():
@@ -222,7 +223,7 @@ def test_stream_chat_reads_content_usage_and_passes_extra_body(server):
     assert body["stream_options"] == {"include_usage": True}
 
 
-# --- doctor -----------------------------------------------------------------------------------------
+# --- doctor ---------------------------------------------------------------------------------------
 
 
 def test_doctor_all_pass(server, tmp_path, capsys):

@@ -1,8 +1,9 @@
 """Issue 33 F3: damaged stored KV is always detected and recomputed, and never changes an answer.
 
-The real embedded model over a real disk tier: chunks are precomputed once, the directory is copied, and the
-same requests run against an intact copy and a copy in which every stored file is damaged (a flipped byte in
-some layer's payload, in the header, or a cut-off tail). Greedy outputs must match token by token."""
+The real embedded model over a real disk tier: chunks are precomputed once, the directory is
+copied, and the same requests run against an intact copy and a copy in which every stored file is
+damaged (a flipped byte in some layer's payload, in the header, or a cut-off tail). Greedy outputs
+must match token by token."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def _damage(path: Path, how: int) -> None:
         return
     if how == 2:  # the header (its checksum catches it at open)
         at = 20
-    else:  # a payload byte: a middle layer, or the last one (found only after most layers were used)
+    else:
+        # a payload byte: a middle layer, or the last one (found only after most layers were used)
         layer = header.num_layers // 2 if how == 0 else header.num_layers - 1
         off, n = header.layer_span(layer)
         at = off + n // 3

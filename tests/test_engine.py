@@ -1,8 +1,9 @@
 """Correctness gates for every prefill path, on the real embedded SmolLM2-135M weights.
 
-Tolerances: fp32 last-token logits within 1e-3 absolute (observed: 0 to 2e-5); bf16 within 1.0 with the
-same argmax (bf16 rounding of different kernel orders moves logits by up to ~0.6 here). The gates marked
-with a device run on CUDA too where a GPU is present (`pytest tests -k cuda`); CI runs the CPU ones.
+Tolerances: fp32 last-token logits within 1e-3 absolute (observed: 0 to 2e-5); bf16 within 1.0
+with the same argmax (bf16 rounding of different kernel orders moves logits by up to ~0.6 here).
+The gates marked with a device run on CUDA too where a GPU is present (`pytest tests -k cuda`);
+CI runs the CPU ones.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def _segments(engine, order=(0, 1, 2, 3)):
 
 @contextmanager
 def blend_config(engine, **fields):
-    """The engine's BlendConfig with ``fields`` replaced (check layers back to the deviation's default
-    unless given) for the block."""
+    """The engine's BlendConfig with ``fields`` replaced (check layers back to the deviation's
+    default unless given) for the block."""
     old = engine.config.blend
     engine.config.blend = replace(old, **{"check_layers": (), **fields})
     try:
@@ -159,9 +160,10 @@ def test_reused_chunk_layer0_kv_matches_fresh_at_new_position(device):
     [("auto", "cpu"), ("torch", "cpu"), pytest.param("auto", "cuda", marks=needs_cuda)],
 )
 def test_exact_kv_with_any_active_subset_equals_full(attention, device):
-    """With exact stored KV, computing an arbitrary subset of rows must reproduce full prefill: a mask
-    letting a selected row see a later key (the bottom-right approximation) would change the logits.
-    Both attention paths: the native kernel where this CPU has one, and PyTorch's row blocks."""
+    """With exact stored KV, computing an arbitrary subset of rows must reproduce full
+    prefill: a mask letting a selected row see a later key (the bottom-right approximation)
+    would change the logits. Both attention paths: the native kernel where this CPU has one,
+    and PyTorch's row blocks."""
     engine = embedded_engine("float32", attention, device)
     segs = _segments(engine)
     T = segs.num_tokens
@@ -197,10 +199,10 @@ class _SlowReader(KVReader):
 
 
 def test_rows_computed_everywhere_still_wait_for_a_lagging_loader(tmp_path):
-    """When every row is computed (blend@1 after the check layer) the loop still waits for each layer's
-    load: the loader writes the same rows, and a late write would replace fresh K/V with stored ones.
-    Stored layer-0 K/V is used as is (it is context-free, so a real chunk's equals a fresh projection):
-    only that layer of the stand-in entry is genuine."""
+    """When every row is computed (blend@1 after the check layer) the loop still waits for each
+    layer's load: the loader writes the same rows, and a late write would replace fresh K/V with
+    stored ones. Stored layer-0 K/V is used as is (it is context-free, so a real chunk's equals a
+    fresh projection): only that layer of the stand-in entry is genuine."""
     engine = tiny_engine(tiny_model_dir(tmp_path, "llama"))
     ops = engine.ops
     segs = engine.segments(["one two three " * 20, "four five six " * 25], "Question: sum?")
@@ -303,11 +305,12 @@ def test_other_architectures_blend_one_equals_full(tmp_path, model_type):
 def test_blend_paths_with_any_deviation_and_recycled_buffers_equal_unpooled(
     tmp_path, deviation, selection
 ):
-    """The check layer projects only V for every row with the value deviation (Q/K for the kept rows),
-    K/V for every row and Q for the query rows with the query selection, all three otherwise (lookahead
-    has no check layer, and a reuse pass first); layer 0 takes stored rows' K/V as stored. Either way, and whether caches come from the pool or not, blend
-    and full give what a pool-less engine gives, and blend@1 equals full. A live sequence's cache is
-    never handed to another request; a dropped one's is."""
+    """The check layer projects only V for every row with the value deviation (Q/K for the kept
+    rows), K/V for every row and Q for the query rows with the query selection, all three otherwise
+    (lookahead has no check layer, and a reuse pass first); layer 0 takes stored rows' K/V as
+    stored. Either way, and whether caches come from the pool or not, blend and full give what a
+    pool-less engine gives, and blend@1 equals full. A live sequence's cache is never handed to
+    another request; a dropped one's is."""
     model = tiny_model_dir(tmp_path, "qwen3")  # q_norm / k_norm on the partial projections too
     pooled = tiny_engine(model, deviation=deviation, selection=selection)
     unpooled = create_engine(
@@ -325,7 +328,8 @@ def test_blend_paths_with_any_deviation_and_recycled_buffers_equal_unpooled(
     with no_blended_prefix(pooled), no_blended_prefix(unpooled):
         results = {}
         for name, engine in (("pooled", pooled), ("unpooled", unpooled)):
-            # blend@0.3 twice: the pooled engine's second one runs on buffers an earlier request gave back
+            # blend@0.3 twice: the pooled engine's second one runs on buffers an
+            # earlier request gave back
             for mode, ratio in (("full", 1.0), ("blend", 0.3), ("blend", 1.0), ("blend", 0.3)):
                 results[name, mode, ratio] = _first(engine, segs, mode, ratio, max_tokens=3)
     assert pooled.buffers.reused >= 3 and unpooled.buffers.reused == 0
@@ -349,9 +353,9 @@ def test_blend_paths_with_any_deviation_and_recycled_buffers_equal_unpooled(
 
 
 def _attention_deviation_reference(ops, ids: torch.Tensor, prefix_len: int, spans) -> torch.Tensor:
-    """[chunk rows] layer-0 attention output over every earlier key vs over the prefix and the row's own
-    chunk placed right after it, computed with PyTorch's SDPA and dense masks (fp32). With the native
-    kernel the engine ranks by one query head of each KV group, and so does this."""
+    """[chunk rows] layer-0 attention output over every earlier key vs over the prefix and the row's
+    own chunk placed right after it, computed with PyTorch's SDPA and dense masks (fp32). With the
+    native kernel the engine ranks by one query head of each KV group, and so does this."""
     h = ops.embed(ids)
     q, k, v = ops.qkv(0, h)  # [H, T, d] pre-RoPE; layer 0 needs no context
     T = ids.numel()
@@ -376,9 +380,10 @@ def _attention_deviation_reference(ops, ids: torch.Tensor, prefix_len: int, span
 
 
 def test_attention_check_keeps_the_rows_the_other_chunks_move_most():
-    """Deviation "attn" at check layer 0: the kept chunk rows are the top ones by how far their attention
-    output over every key lies from their attention over the prefix and their own chunk; the rest skip
-    layer 0's o_proj and MLP and every later layer. Checked against SDPA with dense masks (fp32)."""
+    """Deviation "attn" at check layer 0: the kept chunk rows are the top ones by how far their
+    attention output over every key lies from their attention over the prefix and their own
+    chunk; the rest skip layer 0's o_proj and MLP and every later layer. Checked against SDPA
+    with dense masks (fp32)."""
     engine = embedded_engine("float32")
     engine.store = MemoryStore()
     ops = engine.ops
@@ -428,7 +433,8 @@ def test_attention_check_keeps_the_rows_the_other_chunks_move_most():
 
 def test_blended_prefix_is_reused_by_the_next_question():
     """Same instruction + documents, new question: the earlier blend's chunk KV (chained keys) is
-    reused as is, and gives what blending from scratch gives (chunk KV never depends on the query)."""
+    reused as is, and gives what blending from scratch gives (chunk KV never
+    depends on the query)."""
     engine = embedded_engine("float32")
     engine.store = MemoryStore()
     docs, _ = musique_docs(3, 4)
@@ -453,7 +459,8 @@ def test_blended_prefix_is_reused_by_the_next_question():
 
 def test_missing_chunks_are_prefilled_in_context_then_stored():
     """A cold blend request costs one normal prefill (its missing chunks are computed in context, so
-    ratio plays no role and logits equal full); the chunks are stored after it, so the next one hits."""
+    ratio plays no role and logits equal full); the chunks are stored after it, so
+    the next one hits."""
     engine = embedded_engine("float32")
     engine.store = MemoryStore()
     segs = _segments(engine, order=(3, 2, 1, 0))
@@ -500,8 +507,8 @@ def test_batched_decode_matches_single(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_chunk_kv_through_the_disk_tier_gives_the_same_blend(tmp_path, device):
-    """Chunk KV written to disk (serialized from the engine's device) and read back into the prompt's
-    buffers gives the logits the in-memory entries give."""
+    """Chunk KV written to disk (serialized from the engine's device) and read back into the
+    prompt's buffers gives the logits the in-memory entries give."""
     engine = embedded_engine("float32", device=device)
     segs = _segments(engine, order=(1, 3, 0, 2))
     results = []
@@ -517,8 +524,8 @@ def test_chunk_kv_through_the_disk_tier_gives_the_same_blend(tmp_path, device):
 
 @needs_cuda
 def test_cuda_prefill_matches_cpu():
-    """The same prompt on CUDA and on the CPU (fp32): full prefill within 1e-2 of each other, and blend@0.15
-    on each picks nearly the same rows (first-token KL between the two under 0.01)."""
+    """The same prompt on CUDA and on the CPU (fp32): full prefill within 1e-2 of each other, and
+    blend@0.15 on each picks nearly the same rows (first-token KL between the two under 0.01)."""
     segs = _segments(embedded_engine("float32"), order=(2, 3, 1, 0))
     outs = {}
     for device in ("cpu", "cuda"):
@@ -561,10 +568,10 @@ def test_blend_quality_sits_between_reuse_and_full():
 
 
 def test_query_selection_keeps_the_chunk_rows_the_query_attends_to_most(monkeypatch):
-    """Layer 0 is context-free and every chunk row is computed there, so at check layer 1 every row's
-    input, and the query rows' attention, are what full prefill gives. The rows the query selection
-    keeps must be the chunk rows that attention (summed over heads and query rows, recomputed here from
-    transformers' own layer-1 modules) favours most."""
+    """Layer 0 is context-free and every chunk row is computed there, so at check layer 1 every
+    row's input, and the query rows' attention, are what full prefill gives. The rows the query
+    selection keeps must be the chunk rows that attention (summed over heads and query rows,
+    recomputed here from transformers' own layer-1 modules) favours most."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     import kvblend.engine.engine as engine_module
@@ -650,10 +657,11 @@ def test_recorded_query_attention_equals_transformers_attention_weights(num_laye
 
 
 def test_kernel_key_mass_records_what_the_pytorch_recorder_does(monkeypatch):
-    """In bf16 the attention kernel sums each key's probability in the attention call itself (key_mass);
-    the PyTorch recorder recomputes the probabilities from the same queries and cached keys. They differ by
-    the rounding of the rotated queries (the kernel's bf16 of an fp32 rotation, PyTorch's bf16 rotation):
-    within 1% of the largest entry, and 95% of the top 15% are the same keys."""
+    """In bf16 the attention kernel sums each key's probability in the attention call itself
+    (key_mass); the PyTorch recorder recomputes the probabilities from the same queries and
+    cached keys. They differ by the rounding of the rotated queries (the kernel's bf16 of an fp32
+    rotation, PyTorch's bf16 rotation): within 1% of the largest entry, and 95% of the top 15%
+    are the same keys."""
     import kvblend.blend.blender as blender
 
     engine = embedded_engine("bfloat16")
@@ -714,8 +722,9 @@ def test_lookahead_recomputes_the_rows_a_reuse_pass_finds_most_attended(
     monkeypatch, configured, requested, pass_layers
 ):
     """lookahead = a reuse pass recording the query's attention (over every layer, or the first
-    BlendConfig.lookahead_layers, which a request may override), then a blend recomputing from layer 0
-    the chunk rows that attention ranks highest (and the query); accounting counts them as recomputed."""
+    BlendConfig.lookahead_layers, which a request may override), then a blend recomputing from
+    layer 0 the chunk rows that attention ranks highest (and the query); accounting counts
+    them as recomputed."""
     import kvblend.engine.engine as engine_module
 
     engine = embedded_engine("float32")
@@ -809,8 +818,8 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
 
 
 def test_auto_dtype_is_bf16_only_where_it_is_native(monkeypatch):
-    """bf16 is emulated (several times slower than fp32) on CPUs without AMX / AVX-512 BF16: auto picks it
-    on CUDA, AMX and AVX-512 BF16 (Zen 4) only."""
+    """bf16 is emulated (several times slower than fp32) on CPUs without AMX / AVX-512 BF16: auto
+    picks it on CUDA, AMX and AVX-512 BF16 (Zen 4) only."""
     import kvblend.config as config
     from kvblend.config import ModelConfig, resolve_dtype
 
@@ -848,8 +857,9 @@ def test_mlp_row_blocks_cover_every_row_once(num_rows, max_rows, monkeypatch):
 
 
 def test_mlp_in_row_blocks_equals_one_call(tmp_path, monkeypatch):
-    """A long prompt's MLP runs in row blocks (faster on the CPU past ~5k rows); rows are independent
-    there, so blocked and whole give the same hidden rows (fp32, within 1e-6) for every layer."""
+    """A long prompt's MLP runs in row blocks (faster on the CPU past ~5k rows); rows
+    are independent there, so blocked and whole give the same hidden rows (fp32, within
+    1e-6) for every layer."""
     from kvblend.models import transformer
 
     ops = tiny_engine(tiny_model_dir(tmp_path, "llama")).ops

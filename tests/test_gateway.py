@@ -1,9 +1,10 @@
 """One gateway for every model, end to end: two real `kvblend serve` processes (embedded model).
 
-The *upstream* server serves the model with its own key. The *front* server (the gateway) serves a local
-copy of the model plus two upstream entries pointing at the upstream server: one with the right key (given
-to the front through an environment variable), one with a wrong key. Clients: the official openai and
-anthropic SDKs, and `kvblend doctor`. The test that stops the upstream runs last.
+The *upstream* server serves the model with its own key. The *front* server (the gateway)
+serves a local copy of the model plus two upstream entries pointing at the upstream server:
+one with the right key (given to the front through an environment variable), one with a wrong
+key. Clients: the official openai and anthropic SDKs, and `kvblend doctor`. The test that
+stops the upstream runs last.
 """
 
 from __future__ import annotations

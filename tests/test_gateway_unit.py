@@ -1,5 +1,5 @@
-"""Gateway pieces without a model: upstream forwarding against an httpx.MockTransport stand-in, and the
-Anthropic /v1/messages adapter over the stand-in engine of test_server_unit."""
+"""Gateway pieces without a model: upstream forwarding against an httpx.MockTransport stand-in, and
+the Anthropic /v1/messages adapter over the stand-in engine of test_server_unit."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ USER = [{"role": "user", "content": "hello there"}]
 
 
 class FakeUpstream:
-    """An OpenAI-compatible service: model "ok" answers; "m401" / "m404" / "m429" / "timeout" fail so."""
+    """An OpenAI-compatible service: model "ok" answers; "m401" / "m404" / "m429" /
+    "timeout" fail so."""
 
     def __init__(self):
         self.requests: list[httpx.Request] = []
@@ -215,8 +216,8 @@ def test_forward_rewrites_model_and_key(monkeypatch):
         assert UP_KEY not in json.dumps(h)
         m = c.get("/metrics").text
         assert (
-            'kvblend_requests_total{endpoint="/v1/chat/completions",model_name="remote",status="200"} 2.0'
-            in m
+            'kvblend_requests_total{endpoint="/v1/chat/completions",'
+            'model_name="remote",status="200"} 2.0' in m
         )
         assert 'kvblend_ttft_seconds_count{model_name="remote"} 1.0' in m
 
@@ -266,8 +267,8 @@ def test_unreachable_upstream_is_502_and_local_still_answers(monkeypatch):
         err = r.json()["error"]
         assert r.status_code == 502 and err["code"] == "upstream_unreachable", r.text
         assert (
-            f"upstream 'dead' (127.0.0.1:{port}) is unreachable: connection refused after 2 attempts"
-            in err["message"]
+            f"upstream 'dead' (127.0.0.1:{port}) is unreachable: connection "
+            "refused after 2 attempts" in err["message"]
         )
         assert (
             c.post(

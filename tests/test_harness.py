@@ -1,4 +1,5 @@
-"""The client-side validation harness: metrics, prompts, bench ttft / load and eval against the stand-in."""
+"""The client-side validation harness: metrics, prompts, bench ttft / load and eval
+against the stand-in."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from kvblend.bench import data, eval_cli, load, metrics, ttft
 
 KEY = STANDIN_KEY
 
-# Three MuSiQue-shaped examples. The stand-in answers "Paris" ("London Bridge" in mode reuse), so with
-# these golds full-prefill F1 is (1 + 1 + 0) / 3: "the paris" normalises to "paris".
+# Three MuSiQue-shaped examples. The stand-in answers "Paris" ("London Bridge" in mode reuse), so
+# with these golds full-prefill F1 is (1 + 1 + 0) / 3: "the paris" normalises to "paris".
 EXAMPLES = [
     {
         "question": "Capital of France?",
@@ -80,7 +81,7 @@ def only_json(out_dir: Path, kind: str) -> dict:
     return json.loads(files[0].read_text())
 
 
-# --- metrics ----------------------------------------------------------------------------------------
+# --- metrics --------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -111,7 +112,8 @@ def test_max_over_golds_and_em():
 
 def test_rouge_l_known_values():
     assert metrics.rouge_l("the cat sat on the mat", "the cat sat on the mat") == pytest.approx(1.0)
-    # LCS "the cat on the mat" = 5 of 6 prediction tokens and 5 of 5 reference tokens: F = 2*(5/6)/(5/6+1) = 10/11
+    # LCS "the cat on the mat" = 5 of 6 prediction tokens and 5 of 5 reference tokens: F =
+    # 2*(5/6)/(5/6+1) = 10/11
     assert metrics.rouge_l("the cat sat on the mat", "the cat on the mat") == pytest.approx(10 / 11)
     assert metrics.rouge_l("dog", "cat") == 0.0
 
@@ -124,7 +126,7 @@ def test_clean_answer_and_summary():
     assert metrics.summarize([None]).n == 0
 
 
-# --- prompts and data -------------------------------------------------------------------------------
+# --- prompts and data -----------------------------------------------------------------------------
 
 
 def test_prompt_segments_at_blank_lines_only(dataset):

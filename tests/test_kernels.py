@@ -1,12 +1,13 @@
-"""The native attention kernels (kvblend/kernels: rows_attention.c, bf16 on AMX and, built without AMX,
-on AVX512-BF16; rows_attention_f32.c, fp32 on AVX2) against float64 / fp32 references.
+"""The native attention kernels (kvblend/kernels: rows_attention.c, bf16 on AMX and, built without
+AMX, on AVX512-BF16; rows_attention_f32.c, fp32 on AVX2) against float64 / fp32 references.
 
-Each kernel's tests are skipped, with the reason, only where the machine cannot run it (no C compiler, a
-CPU or OS without its ISA); a build that fails to compile or fails its self-check FAILS them: silently
-falling back to PyTorch runs 2-4x slower. Both head sizes the builds take (64, 128) are checked.
-Tolerances: the bf16 kernels round probabilities to bf16 before P V (as PyTorch's bf16 flash kernel does),
-so outputs of unit scale differ from the reference by up to ~1e-2 and rotated keys are fp32 math rounded
-once to bf16; the fp32 kernel stays within 1e-4 (fp32 accumulation over ~6k keys, a 2e-7 exp2).
+Each kernel's tests are skipped, with the reason, only where the machine cannot run it (no C
+compiler, a CPU or OS without its ISA); a build that fails to compile or fails its self-check FAILS
+them: silently falling back to PyTorch runs 2-4x slower. Both head sizes the builds take (64, 128)
+are checked. Tolerances: the bf16 kernels round probabilities to bf16 before P V (as PyTorch's bf16
+flash kernel does), so outputs of unit scale differ from the reference by up to ~1e-2 and rotated
+keys are fp32 math rounded once to bf16; the fp32 kernel stays within 1e-4 (fp32 accumulation over
+~6k keys, a 2e-7 exp2).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ TOLERANCES = {torch.bfloat16: (3e-2, (1 / 64, 1 / 128)), torch.float32: (1e-4, (
 
 
 def load_or_skip(spec, cache_dir, head_dim: int = 64):
-    """The build, skipped only where the machine lacks what it needs (cause cpu / os / compiler), failed
-    where the build itself is at fault (it did not compile or failed its self-check)."""
+    """The build, skipped only where the machine lacks what it needs (cause cpu / os / compiler),
+    failed where the build itself is at fault (it did not compile or failed its self-check)."""
     try:
         return load_rows_attention(cache_dir, spec.dtype, spec.name, head_dim)
     except KernelUnavailable as e:
@@ -63,7 +64,8 @@ def kernel128(request, tmp_path_factory):
 
 
 def _reference(q, k, v, positions, rope):
-    """fp32 attention of rows at ``positions`` with an exact causal mask; q [A, Hq, d], k/v [Hkv, T, d]."""
+    """fp32 attention of rows at ``positions`` with an exact causal mask; q
+    [A, Hq, d], k/v [Hkv, T, d]."""
     num_keys = k.shape[1]
     cos, sin = rope
     k_rot = _rotate(k, cos[:num_keys], sin[:num_keys])
@@ -114,8 +116,9 @@ def test_rows_attention_matches_fp32_reference(kernel, num_keys, num_rows, num_k
 
 
 def test_rows_never_see_a_later_key(kernel):
-    """q = 0 gives uniform weights, and value = position: a row at p must read mean(0..p) = p / 2 exactly;
-    a key after p (the bottom-right approximation, or a tile's later rows) would raise it."""
+    """q = 0 gives uniform weights, and value = position: a row at p must read mean(0..p)
+    = p / 2 exactly; a key after p (the bottom-right approximation, or a tile's later
+    rows) would raise it."""
     num_keys = 1000
     positions = torch.tensor([0, 1, 5, 17, 40, 41, 42, 130, 131, 257, 500, 640, 641, 999])
     q = torch.zeros(len(positions), 3, 64, dtype=kernel.dtype)
@@ -131,7 +134,8 @@ def test_rows_never_see_a_later_key(kernel):
 
 
 def _scattered_rows_case(dtype: torch.dtype, seed: int, num_keys: int, num_rows: int):
-    """(q [A, 9, 64], k, v [3, T, 64], sorted random positions [A], RoPE tables): SmolLM2's grouping."""
+    """(q [A, 9, 64], k, v [3, T, 64], sorted random positions [A], RoPE tables):
+    SmolLM2's grouping."""
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(3, num_keys, 64, generator=gen).to(dtype)
     v = torch.randn(3, num_keys, 64, generator=gen).to(dtype)
@@ -173,9 +177,10 @@ def test_bad_arguments_are_rejected(kernel):
 def test_key_mass_is_the_softmax_probabilities_summed_over_rows_and_heads(
     kernel, num_keys, num_rows, rep
 ):
-    """key_mass (the bf16 builds): each key's attention probability summed over rows and query heads, the
-    ranking lookahead's reuse pass records, against fp32 softmax fed the kernel's bf16 rotated queries
-    (selfcheck.KEY_MASS_RTOL). Every row's probabilities sum to 1, so the mass sums to rows x heads."""
+    """key_mass (the bf16 builds): each key's attention probability summed over rows and query
+    heads, the ranking lookahead's reuse pass records, against fp32 softmax fed the kernel's bf16
+    rotated queries (selfcheck.KEY_MASS_RTOL). Every row's probabilities sum to 1, so the mass
+    sums to rows x heads."""
     if not kernel.has_key_mass:
         pytest.skip(f"the {kernel.name} kernel records no key mass")
     gen = torch.Generator().manual_seed(num_keys)
@@ -225,9 +230,10 @@ def test_key_mass_is_refused_with_a_wrong_buffer_or_build(kernel):
 
 @pytest.mark.parametrize("num_rows", [1, 16, 45, 96, 960])
 def test_linear_matches_fp32_math_rounded_once(kernel, num_rows):
-    """The AMX build's row projection: fp32 accumulation, bias in fp32, one rounding to bf16, so it is
-    within one bf16 rounding of fp32 math (and equal to it rounded, up to summation-order ties). Row
-    counts cover a lone row, one 16-row tile, a partial last block and whole 32-row blocks; strided rows."""
+    """The AMX build's row projection: fp32 accumulation, bias in fp32, one rounding to bf16, so
+    it is within one bf16 rounding of fp32 math (and equal to it rounded, up to summation-order
+    ties). Row counts cover a lone row, one 16-row tile, a partial last block and whole 32-row
+    blocks; strided rows."""
     if not kernel.has_linear:
         pytest.skip(f"the {kernel.name} build has no linear kernel")
     gen = torch.Generator().manual_seed(num_rows)
@@ -255,7 +261,8 @@ def test_linear_matches_fp32_math_rounded_once(kernel, num_rows):
 
 
 def test_packed_columns_project_like_the_weight_rows_they_cover(kernel):
-    """A fused q/k/v weight packed once: each part's columns (a view) project as that part's own weight."""
+    """A fused q/k/v weight packed once: each part's columns (a view) project as that
+    part's own weight."""
     if not kernel.has_linear:
         pytest.skip(f"the {kernel.name} build has no linear kernel")
     gen = torch.Generator().manual_seed(5)
@@ -315,9 +322,10 @@ def _check_decode(kernel, head_dim: int, num_keys: int, num_kv_heads: int, rep: 
 @pytest.mark.parametrize("num_keys", [1, 100, 256, 257, 3000])
 @pytest.mark.parametrize("num_kv_heads,rep", [(3, 3), (2, 7), (1, 1)])
 def test_decode_attention_matches_fp32_reference(kernel, num_keys, num_kv_heads, rep):
-    """One decoding row over a cache's rotated keys, read in place (heads strided by the cache's capacity):
-    within the bf16 output tolerance of fp32 attention. Key counts cover one key, a chunk's edge (256 keys a
-    chunk) and many chunks; GQA factors SmolLM2's 3, Qwen2.5-0.5B's 7 and none."""
+    """One decoding row over a cache's rotated keys, read in place (heads strided by the
+    cache's capacity): within the bf16 output tolerance of fp32 attention. Key counts cover one
+    key, a chunk's edge (256 keys a chunk) and many chunks; GQA factors SmolLM2's 3,
+    Qwen2.5-0.5B's 7 and none."""
     _check_decode(kernel, 64, num_keys, num_kv_heads, rep)
 
 
@@ -336,8 +344,8 @@ def test_decode_attention_refuses_what_it_does_not_take(kernel):
 
 
 def test_engine_decoding_with_kernel_matches_sdpa(kernel, monkeypatch):
-    """Greedy decoding over a ~2.5k-token prompt's cache (10 key chunks) with the native decode kernel gives
-    the tokens PyTorch's SDPA gives (the prefill is the same in both runs)."""
+    """Greedy decoding over a ~2.5k-token prompt's cache (10 key chunks) with the native decode
+    kernel gives the tokens PyTorch's SDPA gives (the prefill is the same in both runs)."""
     if not kernel.has_decode:
         pytest.skip(f"the {kernel.name} build has no decode kernel")
     engine = embedded_engine(dtype_name(kernel.dtype), attention_kernel=kernel.name)
@@ -369,9 +377,10 @@ def _hf_rms_norm(dim: int, gen: torch.Generator, dtype: torch.dtype):
 
 @pytest.mark.parametrize("num_rows", [1, 17, 300])
 def test_rms_norm_rounds_as_the_hf_module(kernel, num_rows):
-    """The bf16 builds' RMSNorm against transformers' LlamaRMSNorm on the same bf16 rows: within one bf16
-    ulp everywhere (sums of squares add in another order) and equal almost everywhere; with a residual
-    delta, the stored sum equals PyTorch's bf16 add exactly and the norm is the module's on that sum."""
+    """The bf16 builds' RMSNorm against transformers' LlamaRMSNorm on the same bf16 rows: within
+    one bf16 ulp everywhere (sums of squares add in another order) and equal almost everywhere;
+    with a residual delta, the stored sum equals PyTorch's bf16 add exactly and the norm is the
+    module's on that sum."""
     if not kernel.has_elementwise:
         pytest.skip(f"the {kernel.name} build has no row-wise ops")
     gen = torch.Generator().manual_seed(num_rows)
@@ -390,8 +399,9 @@ def test_rms_norm_rounds_as_the_hf_module(kernel, num_rows):
 
 
 def test_silu_mul_rounds_as_pytorch(kernel):
-    """SiLU(gate) * up on bf16 rows against F.silu(gate) * up: SiLU rounded to bf16 first, as PyTorch's
-    bf16 silu returns it, so equal up to exp's last fp32 bits (one bf16 ulp where a tie falls apart)."""
+    """SiLU(gate) * up on bf16 rows against F.silu(gate) * up: SiLU rounded to bf16 first, as
+    PyTorch's bf16 silu returns it, so equal up to exp's last fp32 bits (one bf16 ulp where a
+    tie falls apart)."""
     if not kernel.has_elementwise:
         pytest.skip(f"the {kernel.name} build has no row-wise ops")
     gen = torch.Generator().manual_seed(3)
@@ -408,8 +418,8 @@ def test_silu_mul_rounds_as_pytorch(kernel):
 
 
 def test_concurrent_calls_from_two_threads(kernel):
-    """The kernels keep a thread pool between calls; a call that finds it busy (another Python thread)
-    starts its own threads. Both must give what a lone call gives."""
+    """The kernels keep a thread pool between calls; a call that finds it busy (another Python
+    thread) starts its own threads. Both must give what a lone call gives."""
     import concurrent.futures
 
     case = _scattered_rows_case(kernel.dtype, 2, 700, 200)
@@ -420,8 +430,9 @@ def test_concurrent_calls_from_two_threads(kernel):
 
 
 def test_engine_prefill_with_kernel_matches_pytorch_kernels(kernel):
-    """The same prompt through full and blend@0.15 with the native kernel and with PyTorch's kernels: the
-    same first token, logits within 1.0 in bf16 (the repo's bf16 tolerance) and 1e-3 in fp32."""
+    """The same prompt through full and blend@0.15 with the native kernel and with
+    PyTorch's kernels: the same first token, logits within 1.0 in bf16 (the repo's bf16
+    tolerance) and 1e-3 in fp32."""
     dtype = dtype_name(kernel.dtype)
     native = embedded_engine(dtype, attention_kernel=kernel.name)
     assert native.attention_kernel == kernel.name
@@ -467,8 +478,8 @@ def test_attention_kernel_setting():
 
 
 def test_bf16_falls_back_to_avx512bf16_when_the_amx_build_fails(tmp_path, monkeypatch):
-    """A failed AMX build (gcc 12 once miscompiled it) leaves the AVX512-BF16 build of the same source,
-    not PyTorch; the AMX build's reason is still the one reported when neither can run."""
+    """A failed AMX build (gcc 12 once miscompiled it) leaves the AVX512-BF16 build of the same
+    source, not PyTorch; the AMX build's reason is still the one reported when neither can run."""
     from kvblend import kernels
 
     if not set(KERNELS_BY_NAME["avx512bf16"].cpu_flags) <= kernels.cpu_flags():
@@ -499,7 +510,8 @@ BROKEN_KERNELS = {
     # a kernel that returns wrong numbers (zeros)
     "zeros": "for (long r = 0; r < num_rows; r++) memset(out + r * out_row_stride, 0, "
     "(size_t)num_kv_heads * rep * head_dim * 4);",
-    # a library without the entry point: refused, but it says nothing about the numbers, so not recorded
+    # a library without the entry point: refused, but it says nothing about the
+    # numbers, so not recorded
     "no-symbol": None,
 }
 
@@ -511,8 +523,10 @@ def _broken_source(path, broken: str):
         "#include <string.h>\n"
         "long kvb_rows_attention_scratch_bytes(long num_keys, int num_kv_heads) { return 64; }\n"
         f"int {name}(const void *q, long qs, const void *k, long ks, const void *v, long vs,\n"
-        "    void *k_rot, long krs, const float *c, const float *s, const long *pos, long num_rows, long num_keys,\n"
-        "    int num_kv_heads, int rep, int head_dim, float scale, float *out, long out_row_stride,\n"
+        "    void *k_rot, long krs, const float *c, const float *s, const long *pos,"
+        " long num_rows, long num_keys,\n"
+        "    int num_kv_heads, int rep, int head_dim, float scale, float *out,"
+        " long out_row_stride,\n"
         "    void *scratch, long scratch_bytes, int num_threads) {\n"
         f"    {body or ''}\n    return 0;\n}}\n"
     )
@@ -521,9 +535,10 @@ def _broken_source(path, broken: str):
 
 @pytest.mark.parametrize("broken", sorted(BROKEN_KERNELS))
 def test_a_build_failing_its_self_check_is_never_loaded(broken, tmp_path):
-    """A miscompiled kernel (gcc 12 once dropped the AMX tile config's stores: every prefill died with
-    SIGSEGV) is caught by the build's self-check: no library is put in place, and loading says why
-    instead of crashing. A crash or wrong numbers are recorded (not retried); other failures are not."""
+    """A miscompiled kernel (gcc 12 once dropped the AMX tile config's stores: every prefill died
+    with SIGSEGV) is caught by the build's self-check: no library is put in place, and loading
+    says why instead of crashing. A crash or wrong numbers are recorded (not retried); other
+    failures are not."""
     import shutil
 
     from kvblend import kernels
@@ -551,7 +566,8 @@ def test_a_build_failing_its_self_check_is_never_loaded(broken, tmp_path):
 
 
 def test_openmp_spin_default_leaves_the_users_choice(monkeypatch):
-    """The CLI sets GOMP_SPINCOUNT before torch loads OpenMP, unless a spin count or wait policy is set."""
+    """The CLI sets GOMP_SPINCOUNT before torch loads OpenMP, unless a spin count or
+    wait policy is set."""
     import os
 
     from kvblend.platform import OPENMP_SPIN_COUNT, apply_openmp_defaults
@@ -567,8 +583,8 @@ def test_openmp_spin_default_leaves_the_users_choice(monkeypatch):
 
 
 def test_malloc_default_leaves_the_users_choice(monkeypatch):
-    """The CLI sets glibc's mmap and trim thresholds (a prefill's freed blocks stay in the heap instead of
-    being faulted in again every layer), unless the user set glibc's own variables."""
+    """The CLI sets glibc's mmap and trim thresholds (a prefill's freed blocks stay in the heap
+    instead of being faulted in again every layer), unless the user set glibc's own variables."""
     import platform
 
     from kvblend.platform import apply_malloc_defaults
@@ -584,11 +600,12 @@ def test_malloc_default_leaves_the_users_choice(monkeypatch):
     assert apply_malloc_defaults()
 
 
-# --- head_dim 128 (Qwen2.5-1.5B, Llama-3-8B, Mistral-7B, Qwen2.5-7B) and GQA ratios 1:1 to 8:1 ------------
+# --- head_dim 128 (Qwen2.5-1.5B, Llama-3-8B, Mistral-7B, Qwen2.5-7B) and GQA ratios 1:1 to 8:1 ----
 
 
 def _case(dtype, seed: int, num_keys: int, num_rows: int, num_kv_heads: int, rep: int, d: int):
-    """(q [A, Hkv * rep, d] peaked, k, v [Hkv, T, d], sorted positions [A] ending at the last key, RoPE)."""
+    """(q [A, Hkv * rep, d] peaked, k, v [Hkv, T, d], sorted positions [A] ending at
+    the last key, RoPE)."""
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(num_kv_heads, num_keys, d, generator=gen).to(dtype)
     v = torch.randn(num_kv_heads, num_keys, d, generator=gen).to(dtype)
@@ -658,8 +675,8 @@ def test_head_dim_128_rows_never_see_a_later_key(kernel128):
 
 @pytest.mark.parametrize("num_keys,num_rows,rep", [(1200, 30, 6), (300, 300, 8), (200, 37, 1)])
 def test_head_dim_128_key_mass(kernel128, num_keys, num_rows, rep):
-    """Lookahead's key mass at head_dim 128 against fp32 softmax fed the kernel's bf16 rotated queries;
-    the mass of all keys sums to rows x heads."""
+    """Lookahead's key mass at head_dim 128 against fp32 softmax fed the kernel's bf16 rotated
+    queries; the mass of all keys sums to rows x heads."""
     kernel = kernel128
     if not kernel.has_key_mass:
         pytest.skip(f"the {kernel.name} kernel records no key mass")
@@ -679,7 +696,8 @@ def test_head_dim_128_key_mass(kernel128, num_keys, num_rows, rep):
 def test_head_dim_128_decode_attention_matches_fp64_reference(
     kernel128, num_keys, num_kv_heads, rep
 ):
-    """One decoding row at head_dim 128 over a cache read in place (heads strided by its capacity)."""
+    """One decoding row at head_dim 128 over a cache read in place (heads strided
+    by its capacity)."""
     _check_decode(kernel128, 128, num_keys, num_kv_heads, rep)
 
 
@@ -741,9 +759,9 @@ def test_auto_picks_the_best_native_build_for_both_head_dims(dtype, head_dim, tm
 
 
 def test_a_broken_best_build_is_a_warning_with_its_reason(tmp_path, monkeypatch, caplog):
-    """A best build that fails its self-check leaves the next build (or PyTorch) with a WARNING naming
-    why, and the engine keeps that reason (/health and usage.kvblend show it); a CPU lacking the ISA is
-    not a warning."""
+    """A best build that fails its self-check leaves the next build (or PyTorch) with a WARNING
+    naming why, and the engine keeps that reason (/health and usage.kvblend show it); a CPU lacking
+    the ISA is not a warning."""
     import logging
 
     from kvblend import kernels

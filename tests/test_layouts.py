@@ -130,8 +130,10 @@ def test_dspy_numbered_context_field():
     )
     lay = split_context(text)
     assert lay.documents[:3] == DOCS and lay.documents[3].strip() == multi.replace("\n", "\n    ")
-    assert lay.lead == "[[ ## context ## ]]\n[1] «" and lay.glue[:2] == ["»\n[2] «", "»\n[3] «"]
-    assert lay.glue[2] == "»\n[4] «««\n" and lay.tail.startswith("\n»»»\n\n[[ ## question ## ]]")
+    assert lay.lead == "[[ ## context ## ]]\n[1] «"
+    assert lay.glue[:2] == ["»\n[2] «", "»\n[3] «"]
+    assert lay.glue[2] == "»\n[4] «««\n"
+    assert lay.tail.startswith("\n»»»\n\n[[ ## question ## ]]")
     # the same documents in another order: the same document texts, the same glue by position
     again = split_context(text.replace(_dspy_list(docs), _dspy_list(docs[::-1])))
     assert sorted(map(str.strip, again.documents)) == sorted(map(str.strip, lay.documents))

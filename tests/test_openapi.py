@@ -1,5 +1,6 @@
-"""Issue 33 F12: /openapi.json matches the server, and a bounded schemathesis sample finds no 5xx and no
-response outside the schema. The 50,000-request run is ``scripts/fuzz_api.py`` against a real server."""
+"""Issue 33 F12: /openapi.json matches the server, and a bounded schemathesis sample finds no
+5xx and no response outside the schema. The 50,000-request run is ``scripts/fuzz_api.py``
+against a real server."""
 
 from __future__ import annotations
 

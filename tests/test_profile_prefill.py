@@ -1,5 +1,5 @@
-"""scripts/profile_prefill.py --parts / --decode-tokens: the parts of a request add up to its TTFT, each timed
-part is the engine's own call (restored afterwards), and decoding is timed per token."""
+"""scripts/profile_prefill.py --parts / --decode-tokens: the parts of a request add up to its TTFT,
+each timed part is the engine's own call (restored afterwards), and decoding is timed per token."""
 
 from helpers import INSTRUCTION, embedded_engine, load_script, musique_docs
 

@@ -54,7 +54,8 @@ QWEN_1_5B = Path(
 
 @pytest.mark.skipif(not QWEN_1_5B.is_file(), reason=f"{QWEN_1_5B} missing: run `make qwen-1.5b`")
 def test_qwen2_1_5b_blend_one_equals_full():
-    """The 7B-class shape (head_dim 128, 12 query / 2 KV heads): blend@1.0 is full prefill, in fp32."""
+    """The 7B-class shape (head_dim 128, 12 query / 2 KV heads): blend@1.0 is full
+    prefill, in fp32."""
     engine = create_engine(
         EngineConfig(model=ModelConfig(model=str(QWEN_1_5B), dtype="float32", num_threads=2))
     )

@@ -1,8 +1,9 @@
-"""Issue 33 without a model: bad input is a 4xx in the endpoint's shape, precedence is the same on every
-endpoint, upstream keys never come back, /health hides upstream addresses, limits answer at once.
+"""Issue 33 without a model: bad input is a 4xx in the endpoint's shape, precedence is the
+same on every endpoint, upstream keys never come back, /health hides upstream addresses,
+limits answer at once.
 
-The app is the real one (gate, routes, scheduler) over test_server_unit's stand-in engine; upstreams are
-httpx.MockTransport stand-ins as in test_gateway_unit."""
+The app is the real one (gate, routes, scheduler) over test_server_unit's stand-in engine; upstreams
+are httpx.MockTransport stand-ins as in test_gateway_unit."""
 
 from __future__ import annotations
 
@@ -147,7 +148,7 @@ def test_chunks_without_model_when_several_are_served():
         assert err["param"] == "model" and "None" not in err["message"] and "fake" in err["message"]
 
 
-# --- F6: limits ------------------------------------------------------------------------------------
+# --- F6: limits -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("path", POST_PATHS)
@@ -178,11 +179,12 @@ def test_too_many_documents_is_400():
         assert r.status_code == 200 and len(r.json()["data"]) == 3
 
 
-# --- F5 / F7 / F8: upstreams -------------------------------------------------------------------------
+# --- F5 / F7 / F8: upstreams ----------------------------------------------------------------------
 
 
 class LeakyUpstream:
-    """An upstream that puts its caller's key everywhere it can, and one that ignores stream: true."""
+    """An upstream that puts its caller's key everywhere it can, and one that
+    ignores stream: true."""
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.method == "GET":
@@ -334,11 +336,12 @@ def test_health_hides_upstream_addresses_without_a_key(monkeypatch):
         )  # operators with a key see it
 
 
-# --- F6: deferred chunk work in slices ---------------------------------------------------------------
+# --- F6: deferred chunk work in slices ------------------------------------------------------------
 
 
 class DeferringEngine(FakeEngine):
-    """Every prefill leaves six missing chunks to compute later (as blend requests with new documents do)."""
+    """Every prefill leaves six missing chunks to compute later (as blend requests with
+    new documents do)."""
 
     def __init__(self):
         super().__init__()

@@ -1,7 +1,8 @@
-"""Issue 33, scale-out: two `kvblend serve` replicas sharing one real redis-server, behind a kvblend gateway.
+"""Issue 33, scale-out: two `kvblend serve` replicas sharing one real redis-server,
+behind a kvblend gateway.
 
-A document ingested through replica A is a chunk hit on replica B, and killing A mid-stream leaves B's
-stream (and later requests) untouched while A's stream ends with an error event."""
+A document ingested through replica A is a chunk hit on replica B, and killing A mid-stream leaves
+B's stream (and later requests) untouched while A's stream ends with an error event."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`kvblend serve` end to end: one real server subprocess (embedded model) per module, the official client.
+"""`kvblend serve` end to end: one real server subprocess (embedded model) per module,
+the official client.
 
 Every test uses its own document texts, so cache hits come only from what that test sent.
 """

@@ -1,4 +1,5 @@
-"""Server pieces without a model: a stand-in engine behind the real scheduler, app, config loader and auth."""
+"""Server pieces without a model: a stand-in engine behind the real scheduler, app,
+config loader and auth."""
 
 from __future__ import annotations
 

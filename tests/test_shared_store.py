@@ -14,11 +14,16 @@ from kvblend.engine.engine import create_engine
 from kvblend.engine.request import GenerationRequest, SamplingParams
 from kvblend.store.factory import create_store
 
-store = create_store(StoreConfig(tiers=("memory", "redis"), redis_url={url!r}, redis_socket_timeout_s=2.0))  # a loaded CI core can stall a read past 0.3 s
+# a loaded CI core can stall a read past 0.3 s
+store = create_store(
+    StoreConfig(tiers=("memory", "redis"), redis_url={url!r}, redis_socket_timeout_s=2.0)
+)
 engine = create_engine(EngineConfig(model=ModelConfig(dtype="float32", num_threads=1)), store)
 docs, question = musique_docs(2, 3)
 segs = engine.segments(docs[::-1], question, instruction=INSTRUCTION)
-res = engine.run(GenerationRequest(segs, SamplingParams(max_tokens=8), mode="blend", recompute_ratio=0.15))
+res = engine.run(
+    GenerationRequest(segs, SamplingParams(max_tokens=8), mode="blend", recompute_ratio=0.15)
+)
 store.flush(30)
 print(json.dumps({{"text": res.text, "hit": res.stats.chunks_hit, "total": res.stats.chunks_total,
                   "redis": store.stats().get("redis", {{}})}}))

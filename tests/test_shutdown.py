@@ -1,7 +1,7 @@
 """Issue 33 F4: SIGTERM on a real `kvblend serve` (embedded model) while streams are live.
 
-Live streams finish normally within the drain timeout, or end with an in-band error event after it; a
-request arriving meanwhile gets 503 in the endpoint's own error shape; then the process exits."""
+Live streams finish normally within the drain timeout, or end with an in-band error event after it;
+a request arriving meanwhile gets 503 in the endpoint's own error shape; then the process exits."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Issue 33 F6: one tenant's big request does not stall the others, and abandoned work stops.
 
-A real `kvblend serve` (embedded model). What is asserted is order, not speed: a small request finishes
-while a big one is still being worked on, and an abandoned /v1/chunks call stops short of its documents.
-The delays measured are printed for the report (speed targets live in benchmarks)."""
+A real `kvblend serve` (embedded model). What is asserted is order, not speed: a small request
+finishes while a big one is still being worked on, and an abandoned /v1/chunks call stops short of
+its documents. The delays measured are printed for the report (speed targets live in benchmarks)."""
 
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ def test_big_requests_do_not_stall_a_small_one(server):
     assert small_done < chunks["done_at"], "the small request waited for the whole /v1/chunks call"
     print(
         f"\n20 MB body: 413 after {body_413 * 1e3:.0f} ms; small chat alone {base * 1e3:.0f} ms, "
-        f"beside 24-document /v1/chunks {small * 1e3:.0f} ms (that call took {chunks['took']:.1f} s)"
+        f"beside 24-document /v1/chunks {small * 1e3:.0f} ms (that call took "
+        f"{chunks['took']:.1f} s)"
     )
 
 

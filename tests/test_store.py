@@ -1,4 +1,5 @@
-"""Chunk KV store: serializer, memory / disk / tiered tiers, readers, CLI. Redis lives in test_store_redis.py."""
+"""Chunk KV store: serializer, memory / disk / tiered tiers, readers, CLI. Redis lives in
+test_store_redis.py."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from kvblend.store.serializer import CorruptKVError, deserialize, parse_header, 
 REPO = Path(__file__).resolve().parents[1]
 
 
-# ---- serializer -------------------------------------------------------------------------------------
+# ---- serializer ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_serializer_roundtrip_bit_identical(dtype):
     kv = make_kv(dtype=dtype)
@@ -70,7 +71,7 @@ def test_serializer_rejects_other_key():
         deserialize(serialize("chunk:a", make_kv()), "chunk:b")
 
 
-# ---- memory tier ----------------------------------------------------------------------------------------
+# ---- memory tier ---------------------------------------------------------------------------------
 def test_memory_lru_respects_budget():
     kv = make_kv()
     store = MemoryStore(max_bytes=3 * kv.nbytes)
@@ -108,7 +109,7 @@ def test_memory_does_not_pin_bigger_buffers():
     assert same(got, ChunkKV(view.k.contiguous(), view.v.contiguous()))
 
 
-# ---- disk tier ----------------------------------------------------------------------------------------
+# ---- disk tier -----------------------------------------------------------------------------------
 def test_disk_roundtrip_survives_restart(tmp_path):
     store = DiskStore(tmp_path)
     kvs = {f"chunk:{i}": make_kv(i) for i in range(3)}
@@ -221,7 +222,7 @@ def test_disk_adopts_files_written_by_another_process(tmp_path):
     assert reader_store.stats()["entries"] == 1
 
 
-# ---- concurrency ------------------------------------------------------------------------------------------
+# ---- concurrency ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("tiers", [("memory",), ("disk",), ("memory", "disk")])
 def test_concurrent_readers_and_writers_never_see_torn_kv(tmp_path, tiers):
     """Two different values of different sizes fight over one key (forcing real replacements) while
@@ -284,7 +285,7 @@ def test_concurrent_readers_and_writers_never_see_torn_kv(tmp_path, tiers):
     assert all(s.get("corrupt", 0) == 0 for s in store.stats().values())
 
 
-# ---- tiered + factory -------------------------------------------------------------------------------------
+# ---- tiered + factory ----------------------------------------------------------------------------
 def test_tiered_roundtrip_and_promotion_from_disk(tmp_path):
     cfg = StoreConfig(tiers=("memory", "disk"), disk_dir=tmp_path)
     kv = make_kv()
@@ -350,7 +351,7 @@ def test_background_writer_drops_instead_of_blocking():
     w.close()
 
 
-# ---- CLI ----------------------------------------------------------------------------------------------------
+# ---- CLI -----------------------------------------------------------------------------------------
 def test_cli_stats_ls_clear(tmp_path, capsys):
     from kvblend.cli import main
 

@@ -1,5 +1,5 @@
-"""Issue 33 F10 / F11: a full device frees space in the disk tier, and a chunk no tier can keep is refused
-with a reason instead of being computed and dropped on every call."""
+"""Issue 33 F10 / F11: a full device frees space in the disk tier, and a chunk no tier can keep is
+refused with a reason instead of being computed and dropped on every call."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ for i in range(40):
     store.put(f"k{i}", kv)
     written.append(store.get(f"k{i}") is not None)
 s = store.stats()
-print(sum(written[:7]), sum(written[10:]), s["errors"], s["no_space"], s["evictions"] > 0 or s["entries"] < 40)
+print(sum(written[:7]), sum(written[10:]), s["errors"], s["no_space"],
+      s["evictions"] > 0 or s["entries"] < 40)
 """
 
 
@@ -46,8 +47,9 @@ def _can_mount_tmpfs() -> bool:
     not _can_mount_tmpfs(), reason="needs unshare -rm (user + mount namespaces) for a real tmpfs"
 )
 def test_disk_tier_recovers_after_enospc_on_a_real_full_device(tmp_path):
-    """A 1 MiB tmpfs in a private mount namespace: the byte budget (64 MiB) never triggers eviction, the
-    device fills after ~7 entries, and every later write must still land (older entries make room)."""
+    """A 1 MiB tmpfs in a private mount namespace: the byte budget (64 MiB) never triggers
+    eviction, the device fills after ~7 entries, and every later write must still land (older
+    entries make room)."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     script = tmp_path / "fill.py"

@@ -1,4 +1,5 @@
-"""LayerwiseLoader (kvblend/engine/kv_loader.py): pipelined fill == synchronous fill; errors and ordering."""
+"""LayerwiseLoader (kvblend/engine/kv_loader.py): pipelined fill == synchronous fill;
+errors and ordering."""
 
 from __future__ import annotations
 
@@ -108,8 +109,8 @@ def test_failure_mid_load_surfaces_from_that_layer_on():
 
 
 def test_one_thread_failing_does_not_cut_short_the_others():
-    """The loader's threads split the chunks; one failing at layer 3 must not stop another thread from
-    delivering layers 0..2, even when that thread is behind."""
+    """The loader's threads split the chunks; one failing at layer 3 must not stop another thread
+    from delivering layers 0..2, even when that thread is behind."""
     kv = make_kv(layers=LAYERS, heads=HEADS, seq_len=4, dim=DIM)
     k, v = _buffers(8)
     behind = GatedReader(TensorReader(kv), gate_layer=0)

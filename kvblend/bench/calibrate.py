@@ -1,9 +1,11 @@
-"""`kvblend calibrate`: measure blend settings against full prefill and write the model's calibration.
+"""`kvblend calibrate`: measure blend settings against full prefill and write the
+model's calibration.
 
-For each prompt (built as `kvblend bench engine` builds them, passages shuffled), full prefill and every
-(selection, ratio) run one token each; first-token agreement, KL and the paired TTFT speed-up per setting
-go to the calibration file (kvblend/engine/fidelity.py), which `serve` and the engine read to meet a
-``fidelity`` target. Run it on prompts like the traffic's: agreement depends on the data.
+For each prompt (built as `kvblend bench engine` builds them, passages shuffled), full prefill and
+every (selection, ratio) run one token each; first-token agreement, KL and the paired TTFT
+speed-up per setting go to the calibration file (kvblend/engine/fidelity.py), which `serve` and
+the engine read to meet a ``fidelity`` target. Run it on prompts like the traffic's: agreement
+depends on the data.
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ def run(args) -> int:
             tally.kl.append(first_token_kl(full.first_token_logits, res.first_token_logits))
             tally.speedup.append(full.stats.ttft_ms / max(res.stats.ttft_ms, 1e-6))
         print(
-            f"[{index + 1}/{len(examples)}] {segs.num_tokens} tokens, full {full.stats.ttft_ms:.0f} ms",
+            f"[{index + 1}/{len(examples)}] {segs.num_tokens} tokens, full "
+            f"{full.stats.ttft_ms:.0f} ms",
             file=sys.stderr,
             flush=True,
         )
@@ -154,7 +157,8 @@ def _save(engine, cal, out: str | None, targets: list[float]) -> int:
 
 
 def bench_calibration(engine, path: str):
-    """A calibration from a `bench engine` JSON's blend rows (its model and dtype must be the engine's)."""
+    """A calibration from a `bench engine` JSON's blend rows (its model and dtype must
+    be the engine's)."""
     import json
 
     from kvblend.engine.fidelity import Calibration, CalibrationPoint

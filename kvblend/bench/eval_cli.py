@@ -1,4 +1,5 @@
-"""``kvblend eval``: MuSiQue / HotpotQA quality and TTFT per prefill mode, through an OpenAI-style endpoint."""
+"""``kvblend eval``: MuSiQue / HotpotQA quality and TTFT per prefill mode, through an
+OpenAI-style endpoint."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes",
         default=DEFAULT_MODES,
-        help="comma list: full, prefix, reuse, blend, blend@R, blend@R/SELECTION (deviation, query, "
-        "lookahead), or default (no override)",
+        help="comma list: full, prefix, reuse, blend, blend@R, blend@R/SELECTION (deviation, "
+        "query, lookahead), or default (no override)",
     )
     parser.add_argument(
         "--docs", type=positive_int, default=None, help="passages per example (default: all)"

@@ -1,12 +1,12 @@
 """``kvblend bench load``: open-loop load at increasing request rates, comparing prefill modes.
 
 Open loop: arrivals follow a Poisson process at the offered rate and are sent on schedule whether or
-not earlier requests finished (a closed loop would slow down with the server and hide queueing). Each
-rate is bounded by a request count and an arrival window; in-flight requests then get a drain timeout.
-Prompts draw N documents from a small shared pool in random order with a random question, the RAG
-traffic chunk reuse is meant for. The knee is the highest offered rate before the server saturates:
-TTFT p95 grows past ``knee_factor`` x its lowest-rate value, requests fail or are dropped, or
-throughput falls well below the arrival rate.
+not earlier requests finished (a closed loop would slow down with the server and hide queueing).
+Each rate is bounded by a request count and an arrival window; in-flight requests then get a drain
+timeout. Prompts draw N documents from a small shared pool in random order with a random question,
+the RAG traffic chunk reuse is meant for. The knee is the highest offered rate before the server
+saturates: TTFT p95 grows past ``knee_factor`` x its lowest-rate value, requests fail or are
+dropped, or throughput falls well below the arrival rate.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ class LoadConfig:
 
 
 def poisson_arrivals(rate: float, count: int, duration_s: float, rng: random.Random) -> list[float]:
-    """Arrival offsets (s): exponential gaps with mean 1/rate, at most ``count``, all within ``duration_s``."""
+    """Arrival offsets (s): exponential gaps with mean 1/rate, at most ``count``, all
+    within ``duration_s``."""
     out, t = [], 0.0
     while len(out) < count:
         t += rng.expovariate(rate)
@@ -223,7 +224,8 @@ async def load_endpoint(
         }
         for mode in cfg.modes:
             extra = merge_extra_body(cfg.extra_body, policy_extra_body(mode))
-            # Warm-up (unmeasured): every pool document once, so reuse modes start from a filled cache.
+            # Warm-up (unmeasured): every pool document once, so reuse modes start
+            # from a filled cache.
             for i in range(0, len(pool), cfg.n_docs):
                 docs = pool[i : i + cfg.n_docs]
                 await stream_chat(
@@ -340,8 +342,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes",
         default="full,blend@0.15",
-        help="comma list of full, prefix, reuse, blend, blend@R, blend@R/SELECTION (deviation, query, "
-        "lookahead), default (no override)",
+        help="comma list of full, prefix, reuse, blend, blend@R, blend@R/SELECTION (deviation, "
+        "query, lookahead), default (no override)",
     )
     parser.add_argument(
         "--requests", type=positive_int, default=20, help="arrivals per rate at most"

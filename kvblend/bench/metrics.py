@@ -1,8 +1,8 @@
 """Answer-quality and latency statistics shared by eval, bench ttft and bench load.
 
-F1 / EM follow the SQuAD evaluation script (as the CacheBlend paper scores MuSiQue): lower-case, drop
-punctuation and the articles a/an/the, collapse whitespace, then token-overlap F1, max over gold answers.
-Rouge-L is rouge-score's LCS F-measure.
+F1 / EM follow the SQuAD evaluation script (as the CacheBlend paper scores MuSiQue): lower-case,
+drop punctuation and the articles a/an/the, collapse whitespace, then token-overlap F1, max over
+gold answers. Rouge-L is rouge-score's LCS F-measure.
 """
 
 from __future__ import annotations

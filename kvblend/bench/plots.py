@@ -75,9 +75,9 @@ def plot_ttft(report: dict, path: Path) -> None:
 
 
 def plot_quality_vs_ttft(report: dict, path: Path) -> None:
-    """Mean TTFT against task F1 (left) and against Rouge-L of the answer vs full prefill's (right), one
-    point per (endpoint, mode), values printed. Where the model cannot answer the task (F1 near 0 for
-    every mode) the right panel is what tells the modes apart."""
+    """Mean TTFT against task F1 (left) and against Rouge-L of the answer vs full prefill's (right),
+    one point per (endpoint, mode), values printed. Where the model cannot answer the task (F1 near
+    0 for every mode) the right panel is what tells the modes apart."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     panels = (("f1", "task F1"), ("agree_rougeL", "answer Rouge-L vs full prefill"))

@@ -1,7 +1,9 @@
-"""`kvblend bench report`: docs/benchmarks.md (and the README's headline table) from bench/results/*.json.
+"""`kvblend bench report`: docs/benchmarks.md (and the README's headline table) from
+bench/results/*.json.
 
-Every table a document shows is rendered here from a result file, so no number can drift from its data.
-`--check` fails when a committed document differs from what the result files give (the tests run it).
+Every table a document shows is rendered here from a result file, so no number can drift
+from its data. `--check` fails when a committed document differs from what the result files
+give (the tests run it).
 """
 
 from __future__ import annotations
@@ -113,8 +115,8 @@ def ttft_section(path: Path, data: dict) -> str:
         rows,
     )
     return (
-        f"### bench ttft: {cfg.get('docs') or cfg.get('n_docs')} documents a prompt, {cfg.get('rounds')}"
-        f" rounds\n\n{table}\n\n`{path.as_posix()}`, run {_when(data)}, "
+        f"### bench ttft: {cfg.get('docs') or cfg.get('n_docs')} documents a prompt, "
+        f"{cfg.get('rounds')} rounds\n\n{table}\n\n`{path.as_posix()}`, run {_when(data)}, "
         f"{data.get('machine') or 'machine not recorded'}."
     )
 
@@ -152,8 +154,8 @@ def eval_section(path: Path, data: dict) -> str:
         rows,
     )
     return (
-        f"### eval: {cfg.get('data')}, {cfg.get('examples')} examples, {cfg.get('max_tokens')} tokens"
-        f"\n\n{table}\n\n`{path.as_posix()}`, run {_when(data)}, "
+        f"### eval: {cfg.get('data')}, {cfg.get('examples')} examples, {cfg.get('max_tokens')} "
+        f"tokens\n\n{table}\n\n`{path.as_posix()}`, run {_when(data)}, "
         f"{data.get('machine') or 'machine not recorded'}."
     )
 
@@ -221,12 +223,12 @@ def render_document(results: list[tuple[Path, dict]]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-# --- README headline -------------------------------------------------------------------------------
+# --- README headline ------------------------------------------------------------------------------
 
 
 def headline(results: list[tuple[Path, dict]]) -> str:
-    """Per model: the newest engine run of at least HEADLINE_MIN_EXAMPLES prompts (full prefill against
-    the default blend), and the newest server run against vLLM on shuffled chunks."""
+    """Per model: the newest engine run of at least HEADLINE_MIN_EXAMPLES prompts (full prefill
+    against the default blend), and the newest server run against vLLM on shuffled chunks."""
     rows, seen = [], set()
     for path, d in results:
         if (
@@ -283,9 +285,9 @@ def _peer_line(results: list[tuple[Path, dict]]) -> str:
             ours = names["kvblend"]["scenarios"]["shuffled"]["ttft_ms"]["p50"]
             theirs = names["vllm"]["scenarios"]["shuffled"]["ttft_ms"]["p50"]
             return (
-                f"Against vLLM-CPU with prefix caching, re-ordered chunks ({names['kvblend'].get('model')},"
-                f" server TTFT p50): kvblend {ours:.0f} ms, vLLM {theirs:.0f} ms, "
-                f"{theirs / ours:.2f}x (`{path.name}`)."
+                "Against vLLM-CPU with prefix caching, re-ordered chunks "
+                f"({names['kvblend'].get('model')}, server TTFT p50): kvblend {ours:.0f} ms, vLLM "
+                f"{theirs:.0f} ms, {theirs / ours:.2f}x (`{path.name}`)."
             )
     return "No server run against vLLM in bench/results yet."
 

@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def synth_chunks(
     n: int, min_len: int, max_len: int, layers: int, kv_heads: int, head_dim: int, seed: int = 0
 ) -> dict:
-    """{key: ChunkKV} with k, v [layers, kv_heads, L, head_dim] bf16, L uniform in [min_len, max_len]."""
+    """{key: ChunkKV} with k, v [layers, kv_heads, L, head_dim] bf16, L uniform in
+    [min_len, max_len]."""
     import torch
 
     from kvblend.store.base import ChunkKV
@@ -91,8 +92,8 @@ def tier_stores_for_bench(
     """One single-tier store per name, each already holding every chunk (writes flushed).
 
     Hook for the engine benchmark (blend TTFT with the KV in each tier): pass the engine's real
-    ``{key: ChunkKV}``. Needs ``disk_dir`` for "disk" and ``redis_url`` for "redis". Budgets are sized
-    to hold everything. Callers ``close()`` the stores.
+    ``{key: ChunkKV}``. Needs ``disk_dir`` for "disk" and ``redis_url`` for "redis". Budgets are
+    sized to hold everything. Callers ``close()`` the stores.
     """
     from kvblend.config import StoreConfig
     from kvblend.store.factory import create_store
@@ -195,7 +196,8 @@ def measure(chunks: dict, stores: dict, repeats: int, disk_dir: Path | None) -> 
         ("memcpy", "copy_into_prompt", memcpy_into, None),
     ]
     for name, store in stores.items():
-        # The memory tier's get hands out the stored tensors themselves: its "bandwidth" is a dict lookup.
+        # The memory tier's get hands out the stored tensors themselves: its
+        # "bandwidth" is a dict lookup.
         get_name = "get_zero_copy" if name == "memory" else "get"
         plans += [
             (name, get_name, get_all(store), None),
@@ -298,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
 def measure_e2e(
     tiers: tuple[str, ...], disk_dir, redis_url, repeats: int, ratio: float = 0.15
 ) -> list[dict]:
-    """Blend TTFT on a real MuSiQue example with its chunk KV (real, from the embedded model) in each tier."""
+    """Blend TTFT on a real MuSiQue example with its chunk KV (real, from the embedded
+    model) in each tier."""
     import shutil
 
     from kvblend.bench.data import DEFAULT_INSTRUCTION, load_musique
@@ -351,13 +354,15 @@ def measure_e2e(
 def markdown_e2e(rows: list[dict]) -> str:
     lines = [
         "",
-        f"blend@0.15 TTFT, embedded model (bf16), {rows[0]['prompt_tokens']} prompt tokens, KV in each tier:",
+        f"blend@0.15 TTFT, embedded model (bf16), {rows[0]['prompt_tokens']} prompt "
+        "tokens, KV in each tier:",
         "",
         "| tier | pipelined | median TTFT (ms) | vs memory (pipelined) |",
         "|---|---|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['tier']} | {'yes' if r['pipelined'] else 'no'} | {r['ttft_ms']:.1f} | {r['vs_memory_pipelined']:.2f}x |"
+            f"| {r['tier']} | {'yes' if r['pipelined'] else 'no'} | {r['ttft_ms']:.1f} | "
+            f"{r['vs_memory_pipelined']:.2f}x |"
         )
     return "\n".join(lines)

@@ -1,14 +1,16 @@
-"""``kvblend bench ttft``: time to first token for three RAG cache scenarios, endpoints side by side.
+"""``kvblend bench ttft``: time to first token for three RAG cache scenarios,
+endpoints side by side.
 
-- ``prefix_hit``: one fixed instruction + document prefix, a different question each round. Any server
-  with prefix caching (vLLM, SGLang, kvblend) should reuse nearly the whole prompt.
+- ``prefix_hit``: one fixed instruction + document prefix, a different question each round. Any
+  server with prefix caching (vLLM, SGLang, kvblend) should reuse nearly the whole prompt.
 - ``shuffled``: the same N documents in a new order each round. Prefix caching reuses only the
   instruction; chunk-level reuse (kvblend) should still hit every document.
-- ``full_recompute``: a unique random prefix and per-document tag each round, so no cache of any kind
-  can hit: the baseline cost of a cold prompt of the same size.
+- ``full_recompute``: a unique random prefix and per-document tag each round, so no cache of any
+  kind can hit: the baseline cost of a cold prompt of the same size.
 
-TTFT is measured client-side to the first non-empty content delta; warm-up requests are excluded. The
-cached-token share comes from ``usage.prompt_tokens_details.cached_tokens`` when the server reports it.
+TTFT is measured client-side to the first non-empty content delta; warm-up requests are
+excluded. The cached-token share comes from ``usage.prompt_tokens_details.cached_tokens`` when
+the server reports it.
 """
 
 from __future__ import annotations
@@ -94,9 +96,10 @@ def scenario_prompts(
             previous = order
             prompts.append(build_prompt(instruction, order, question))
         elif scenario == "full_recompute":
-            # A fresh nonce up front defeats prefix caches; tagging every document defeats chunk caches,
-            # while the prompt length stays that of the other scenarios (+ a few tokens). Not seeded:
-            # a repeated run (or a second endpoint sharing a cache) must never see the same nonce.
+            # A fresh nonce up front defeats prefix caches; tagging every document defeats chunk
+            # caches, while the prompt length stays that of the other scenarios (+ a few
+            # tokens). Not seeded: a repeated run (or a second endpoint sharing a cache) must
+            # never see the same nonce.
             nonce = secrets.token_hex(6)
             tagged = [f"[{nonce}-{j}] {d}" for j, d in enumerate(docs)]
             prompts.append(build_prompt(f"[session {nonce}] {instruction}", tagged, question))
@@ -178,7 +181,8 @@ async def bench_endpoint(
             )
             task = progress.add_task(f"{endpoint.name} {scenario}", total=len(prompts))
             advance = lambda: progress.advance(task)  # noqa: E731
-            # Warm-up runs alone and first: it fills the caches the measured rounds are meant to hit.
+            # Warm-up runs alone and first: it fills the caches the measured
+            # rounds are meant to hit.
             for p in prompts[: cfg.warmup]:
                 await run_batch(client, model, [p], cfg, advance)
             measured = await run_batch(client, model, prompts[cfg.warmup :], cfg, advance)

@@ -2,13 +2,14 @@
 
 File format::
 
-    {"base_url": "http://127.0.0.1:8000/v1", "api_key": "sk-...", "model_id": "smollm2-135m-instruct",
-     "timeout": 60, "max_retries": 2,
+    {"base_url": "http://127.0.0.1:8000/v1", "api_key": "sk-...",
+     "model_id": "smollm2-135m-instruct", "timeout": 60, "max_retries": 2,
      "profiles": {"vllm": {"base_url": "http://127.0.0.1:8001/v1"}}}
 
-A profile inherits every top-level key it does not set. Lookup order: ``--auth PATH``, ``./auth.json``,
-``<user config dir>/kvblend/auth.json``; then ``KVBLEND_BASE_URL`` / ``_API_KEY`` / ``_MODEL_ID`` override.
-API keys never appear in output: ``Endpoint`` hides the key from ``repr`` and ``mask_key`` shortens it.
+A profile inherits every top-level key it does not set. Lookup order: ``--auth PATH``,
+``./auth.json``, ``<user config dir>/kvblend/auth.json``; then ``KVBLEND_BASE_URL`` / ``_API_KEY`` /
+``_MODEL_ID`` override. API keys never appear in output: ``Endpoint`` hides the key from ``repr``
+and ``mask_key`` shortens it.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class Endpoint:
 def find_auth_file(
     explicit: str | Path | None, cwd: Path | None = None, config_dir: Path | None = None
 ) -> Path | None:
-    """The auth.json to use, or None when there is none (environment variables may still suffice)."""
+    """The auth.json to use, or None when there is none (environment variables
+    may still suffice)."""
     if explicit:
         path = Path(explicit).expanduser()
         if not path.is_file():
@@ -145,7 +147,8 @@ def load_endpoint(
     cwd: Path | None = None,
     config_dir: Path | None = None,
 ) -> Endpoint:
-    """Resolve one endpoint. ``env`` defaults to ``client_env_overrides()`` (pass {} to ignore the environment)."""
+    """Resolve one endpoint. ``env`` defaults to ``client_env_overrides()`` (pass {} to ignore
+    the environment)."""
     path = find_auth_file(auth, cwd=cwd, config_dir=config_dir)
     parsed = read_auth_file(path) if path else {"settings": {}, "profiles": {}}
     settings = dict(parsed["settings"])
@@ -181,7 +184,8 @@ def load_endpoint(
 
 
 def add_endpoint_arguments(parser: argparse.ArgumentParser, multiple: bool = False) -> None:
-    """``--auth`` / ``--profile``; with ``multiple`` both repeat to compare endpoints side by side."""
+    """``--auth`` / ``--profile``; with ``multiple`` both repeat to compare
+    endpoints side by side."""
     action = "append" if multiple else "store"
     more = " (repeat to compare several)" if multiple else ""
     parser.add_argument(

@@ -1,9 +1,10 @@
-"""``kvblend doctor``: check an OpenAI-style endpoint from auth.json, one line per check, each failure with its fix.
+"""``kvblend doctor``: check an OpenAI-style endpoint from auth.json, one line per check, each
+failure with its fix.
 
 Checks run in order and later ones are skipped once one they depend on fails:
 reachable -> /v1 path -> key accepted -> model id exists -> streaming parses -> one-token TTFT.
-The raw HTTP checks use httpx (to see status codes and bodies as they are); the streaming checks use the
-same openai-based helper the benchmarks use, so a PASS means ``kvblend bench`` will work too.
+The raw HTTP checks use httpx (to see status codes and bodies as they are); the streaming checks use
+the same openai-based helper the benchmarks use, so a PASS means ``kvblend bench`` will work too.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def classify_network_error(exc: BaseException, base_url: str) -> tuple[str, str]
     if any(isinstance(e, httpx.TimeoutException) or isinstance(e, TimeoutError) for e in chain):
         return (
             f"network failure: timed out talking to {where}",
-            "check host/port and any firewall or proxy; a busy server may need a larger timeout in auth.json",
+            "check host/port and any firewall or proxy; a busy server may need a larger "
+            "timeout in auth.json",
         )
     if any(isinstance(e, socket.gaierror) for e in chain) or any(
         s in text
@@ -136,7 +138,10 @@ def _path_fix(base_url: str, http) -> str:
         try:
             probe = http.get(trimmed + "/v1/models")
             if probe.status_code != 404:
-                return f"base_url is missing /v1: use {trimmed}/v1 (that path answers {probe.status_code})"
+                return (
+                    f"base_url is missing /v1: use {trimmed}/v1 (that path answers "
+                    f"{probe.status_code})"
+                )
         except Exception:  # noqa: BLE001 - only a suggestion
             pass
         return f"base_url should end with the API prefix, usually /v1: try {trimmed}/v1"
@@ -146,7 +151,8 @@ def _path_fix(base_url: str, http) -> str:
 
 
 def check_key(endpoint: Endpoint, http, models_url: str) -> tuple[Check, object | None]:
-    """Send the key as ``Authorization: Bearer <key>``; on 401 work out why and confirm when possible."""
+    """Send the key as ``Authorization: Bearer <key>``; on 401 work out why and
+    confirm when possible."""
     import httpx
 
     key = endpoint.api_key
@@ -200,7 +206,8 @@ def check_key(endpoint: Endpoint, http, models_url: str) -> tuple[Check, object 
             "key accepted",
             FAIL,
             f"{status}: the server saw no Bearer token",
-            "a proxy may strip the Authorization header; the header must read 'Authorization: Bearer <key>'",
+            "a proxy may strip the Authorization header; the header must read "
+            "'Authorization: Bearer <key>'",
         ), None
     return Check(
         "key accepted",
@@ -278,7 +285,8 @@ def _stream_checks(endpoint: Endpoint, model: str, offered: list[str] | None) ->
             Check(
                 "one-token TTFT",
                 PASS,
-                f"{one.ttft_s * 1000:.0f} ms to first token (request total {one.total_s * 1000:.0f} ms)",
+                f"{one.ttft_s * 1000:.0f} ms to first token (request total "
+                f"{one.total_s * 1000:.0f} ms)",
             )
         )
     else:
@@ -313,7 +321,8 @@ def run_checks(endpoint: Endpoint) -> list[Check]:
     models_url = endpoint.base_url.rstrip("/") + "/models"
     timeout = httpx.Timeout(endpoint.timeout, connect=min(endpoint.timeout, 10.0))
     with httpx.Client(timeout=timeout) as http:
-        # 1. reachable: any HTTP answer at all. Sent without a key so a bad key cannot mask this step.
+        # 1. reachable: any HTTP answer at all. Sent without a key so a bad key
+        #    cannot mask this step.
         try:
             anon = http.get(models_url)
         except httpx.HTTPError as e:

@@ -1,4 +1,5 @@
-"""Streaming chat client used by doctor and every benchmark: one request in, one ``StreamResult`` out.
+"""Streaming chat client used by doctor and every benchmark: one request in, one
+``StreamResult`` out.
 
 TTFT is measured client-side as the time from sending the request to the first *non-empty* content
 delta (role-only and usage-only chunks do not count), which is what a user of any OpenAI-compatible
@@ -15,7 +16,8 @@ from kvblend.client.auth import Endpoint
 from kvblend.policy import PrefillPolicy
 
 # kvblend's per-request prefill fields (PrefillPolicy.request_fields) go top-level in extra_body. If
-# the server moves them under one object, set OVERRIDE_NAMESPACE (e.g. "kvblend") and every caller follows.
+# the server moves them under one object, set OVERRIDE_NAMESPACE (e.g. "kvblend") and
+# every caller follows.
 OVERRIDE_NAMESPACE: str | None = None
 
 PLACEHOLDER_KEY = "EMPTY"  # the openai client insists on a key; servers without auth ignore it
@@ -23,7 +25,8 @@ PLACEHOLDER_KEY = "EMPTY"  # the openai client insists on a key; servers without
 
 def parse_mode_spec(text: str) -> PrefillPolicy:
     """A prefill policy as the benches name their rows (``full``, ``blend@0.15/lookahead:8``, or
-    ``default``: no override, the server's own default and the only choice for non-kvblend servers)."""
+    ``default``: no override, the server's own default and the only choice for
+    non-kvblend servers)."""
     return PrefillPolicy.parse(text)
 
 
@@ -116,7 +119,8 @@ def _read_usage(result: StreamResult, usage) -> None:
     cached = getattr(details, "cached_tokens", None) if details is not None else None
     if cached is not None:
         result.cached_tokens = int(cached)
-    # Server-specific usage fields (kvblend adds usage.kvblend: reused / recomputed token counts) are kept.
+    # Server-specific usage fields (kvblend adds usage.kvblend: reused / recomputed
+    # token counts) are kept.
     extra = getattr(usage, "model_extra", None) or {}
     result.extra.update({k: v for k, v in extra.items() if isinstance(k, str)})
 
@@ -155,7 +159,8 @@ async def stream_chat(client, model: str, request: ChatRequest) -> StreamResult:
                 pieces.append(content)
             if choice.finish_reason:
                 result.finish_reason = choice.finish_reason
-    except Exception as e:  # noqa: BLE001 - every failure becomes a recorded error, benchmarks go on
+    except Exception as e:  # noqa: BLE001
+        # every failure becomes a recorded error, benchmarks go on
         result.error, result.status_code = describe_error(e)
     result.total_s = time.perf_counter() - t0
     result.text = "".join(pieces)

@@ -1,25 +1,29 @@
 """Native CPU kernels, compiled from C at first use and loaded with ctypes.
 
-``rows_attention.c`` is one layer's attention for a sorted set of query rows with an exact causal mask
-by absolute position: full prefill (every row) and CacheBlend's recomputed rows (scattered through the
-prompt) both go through it. PyTorch's CPU flash kernel can only be handed scattered rows in a few masked
-blocks, which computes and throws away a large share of the scores. Three builds of that contract:
+``rows_attention.c`` is one layer's attention for a sorted set of query rows with an exact causal
+mask by absolute position: full prefill (every row) and CacheBlend's recomputed rows (scattered
+through the prompt) both go through it. PyTorch's CPU flash kernel can only be handed scattered
+rows in a few masked blocks, which computes and throws away a large share of the scores. Three
+builds of that contract:
 
     amx         rows_attention.c                bfloat16, Intel AMX (Sapphire Rapids and later)
-    avx512bf16  rows_attention.c -DKVB_NO_AMX   bfloat16, AVX512-BF16 without AMX (AMD Zen 4 and later)
-    avx2        rows_attention_f32.c            float32, AVX2 + FMA (any x86-64 of the last decade, e.g. AMD Zen)
+    avx512bf16  rows_attention.c -DKVB_NO_AMX bfloat16, AVX512-BF16 without AMX (AMD Zen 4 and
+                later)
+    avx2        rows_attention_f32.c float32, AVX2 + FMA (any x86-64 of the last decade, e.g. AMD
+                Zen)
 
-For a dtype with two builds the first whose CPU features are present is taken (amx, then avx512bf16).
-The amx build also projects rows (``RowsAttention.linear``, amx_linear.h): oneDNN parallelises some of a
-blend's ~1,000-row projections poorly on two threads. Both bf16 builds also carry a layer's row-wise ops
-(``rms_norm``, ``silu_mul``, ``scatter_rows``; rows_elementwise.h), one pass each where PyTorch makes
-several.
+For a dtype with two builds the first whose CPU features are present is taken (amx, then
+avx512bf16). The amx build also projects rows (``RowsAttention.linear``, amx_linear.h): oneDNN
+parallelises some of a blend's ~1,000-row projections poorly on two threads. Both bf16 builds also
+carry a layer's row-wise ops (``rms_norm``, ``silu_mul``, ``scatter_rows``; rows_elementwise.h), one
+pass each where PyTorch makes several.
 
-The shared object is built with the system C compiler into ``<cache_dir>/kernels/`` (keyed by a digest of
-the source, flags and compiler version, written atomically) and needs no PyTorch headers. Each build is
-compiled once per head size (``HEAD_DIMS``: 64 for SmolLM2 / Qwen2.5-0.5B, 128 for Qwen2.5-1.5B and the
-7B-class models). Where it cannot be used (no compiler, a CPU without the ISA, another head size)
-``load_rows_attention`` says why (``KernelUnavailable.cause``) and callers keep the PyTorch path.
+The shared object is built with the system C compiler into ``<cache_dir>/kernels/`` (keyed by a
+digest of the source, flags and compiler version, written atomically) and needs no PyTorch
+headers. Each build is compiled once per head size (``HEAD_DIMS``: 64 for SmolLM2 / Qwen2.5-0.5B,
+128 for Qwen2.5-1.5B and the 7B-class models). Where it cannot be used (no compiler, a CPU without
+the ISA, another head size) ``load_rows_attention`` says why (``KernelUnavailable.cause``) and
+callers keep the PyTorch path.
 """
 
 from __future__ import annotations
@@ -50,16 +54,18 @@ HEAD_DIM = HEAD_DIMS[0]  # the default build's
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One build of the rows-attention contract: its source, compiler flags, the CPU features it needs
-    and the tensor dtype it takes."""
+    """One build of the rows-attention contract: its source, compiler flags, the CPU features it
+    needs and the tensor dtype it takes."""
 
     name: str
     source: str
-    # Explicit ISA flags, not -march: the library is only loaded after /proc/cpuinfo shows these features.
+    # Explicit ISA flags, not -march: the library is only loaded after /proc/cpuinfo
+    # shows these features.
     cflags: tuple[str, ...]
     cpu_flags: tuple[str, ...]
     dtype: torch.dtype
-    # Called once after loading, 0 = usable (AMX asks the OS for tile state); None: nothing to set up.
+    # Called once after loading, 0 = usable (AMX asks the OS for tile state);
+    # None: nothing to set up.
     init_symbol: str | None = None
 
 
@@ -101,7 +107,8 @@ KERNEL_SPECS = (
 )
 KERNELS_BY_NAME = {spec.name: spec for spec in KERNEL_SPECS}
 # The self-check's exit status for "the kernel ran and gave wrong numbers" (selfcheck.py); any other
-# failure (an import error, say) says nothing about the build, so it is not recorded against the build.
+# failure (an import error, say) says nothing about the build, so it is not
+# recorded against the build.
 EXIT_MISMATCH = 3
 
 
@@ -118,9 +125,10 @@ class KernelUnavailable(RuntimeError):
     """The native kernel cannot run here; the message says why (callers fall back to PyTorch).
 
     ``cause`` says whose it is: "cpu" (the CPU lacks the ISA), "os" (the OS refused the CPU state),
-    "compiler" (no C compiler), "shape" (a head size or dtype no build takes) are the machine's or the
-    model's; "build" (the compiler failed) and "selfcheck" (the build crashed or gave wrong numbers) are
-    defects of the kernel or the toolchain, which tests must fail on and the engine warns about."""
+    "compiler" (no C compiler), "shape" (a head size or dtype no build takes) are the machine's
+    or the model's; "build" (the compiler failed) and "selfcheck" (the build crashed or gave
+    wrong numbers) are defects of the kernel or the toolchain, which tests must fail on and the
+    engine warns about."""
 
     ENVIRONMENT_CAUSES = ("cpu", "os", "compiler", "shape")
 
@@ -130,7 +138,8 @@ class KernelUnavailable(RuntimeError):
 
     @property
     def is_defect(self) -> bool:
-        """True for a build that fails or fails its self-check (not the machine lacking something)."""
+        """True for a build that fails or fails its self-check (not the machine
+        lacking something)."""
         return self.cause not in self.ENVIRONMENT_CAUSES
 
 
@@ -170,12 +179,12 @@ class RowsAttention:
     ) -> torch.Tensor:
         """Attention of rows at sorted ``positions`` [A] (int64) over keys [0, num_keys).
 
-        q [A, Hq, d] pre-RoPE (rows may be strided, heads dense); k, v [Hkv, num_keys, d] (k pre-RoPE);
-        k_rot [Hkv, num_keys, d] receives the rotated keys (the attention cache) or None;
+        q [A, Hq, d] pre-RoPE (rows may be strided, heads dense); k, v [Hkv, num_keys, d] (k
+        pre-RoPE); k_rot [Hkv, num_keys, d] receives the rotated keys (the attention cache) or None;
         rope_half: fp32 (cos, sin) [>= num_keys, d/2] by position, or None when q and k are rotated;
-        out [A, Hq * d] (rows may be strided). All of the kernel's dtype on the CPU. Returns ``out``.
-        key_mass: fp32 [num_keys] (``has_key_mass`` builds): each key's attention probability, summed over
-        the rows and query heads, is added to it."""
+        out [A, Hq * d] (rows may be strided). All of the kernel's dtype on the CPU. Returns
+        ``out``. key_mass: fp32 [num_keys] (``has_key_mass`` builds): each key's attention
+        probability, summed over the rows and query heads, is added to it."""
         num_rows, num_heads, d = q.shape
         num_kv_heads, num_keys, _ = k.shape
         self._check_head_dim(d)
@@ -247,8 +256,8 @@ class RowsAttention:
                 or key_mass.shape != (num_keys,)
             ):
                 raise ValueError(
-                    f"key_mass must be a contiguous float32 CPU tensor [{num_keys}] (one entry per key), "
-                    f"got {key_mass.dtype} {tuple(key_mass.shape)} on {key_mass.device}"
+                    f"key_mass must be a contiguous float32 CPU tensor [{num_keys}] (one entry "
+                    f"per key), got {key_mass.dtype} {tuple(key_mass.shape)} on {key_mass.device}"
                 )
             rc = self.lib.kvb_rows_attention_mass(*args, key_mass.data_ptr())
         if rc != 0:
@@ -260,7 +269,8 @@ class RowsAttention:
 
     @property
     def has_key_mass(self) -> bool:
-        """Whether this build sums each key's attention probability (``key_mass``): both bf16 builds do."""
+        """Whether this build sums each key's attention probability (``key_mass``):
+        both bf16 builds do."""
         return hasattr(self.lib, "kvb_rows_attention_mass")
 
     @property
@@ -271,8 +281,8 @@ class RowsAttention:
     def pack_linear(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> "PackedLinear | None":
-        """``weight`` [N, K] (and bias [N]) in the layout ``linear`` reads, or None for a shape the kernel
-        does not take (N and K must be multiples of 32) or a build without it."""
+        """``weight`` [N, K] (and bias [N]) in the layout ``linear`` reads, or None for a shape the
+        kernel does not take (N and K must be multiples of 32) or a build without it."""
         num_out, num_in = weight.shape
         if not self.has_linear or weight.dtype != self.dtype or num_out % 32 or num_in % 32:
             return None
@@ -292,9 +302,9 @@ class RowsAttention:
         residual: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [M, K] (dense rows) @ W^T + bias -> [M, N], fp32 accumulation, rounded once to bf16; with
-        ``residual`` [M, N], residual + that (rounded again, as a separate add). Written into ``out``
-        ([M, N], dense rows) when given, else a new tensor."""
+        """x [M, K] (dense rows) @ W^T + bias -> [M, N], fp32 accumulation, rounded once to bf16;
+        with ``residual`` [M, N], residual + that (rounded again, as a separate add). Written into
+        ``out`` ([M, N], dense rows) when given, else a new tensor."""
         if x.dtype != self.dtype or x.device.type != "cpu":
             raise ValueError(
                 f"x must be a {dtype_name(self.dtype)} CPU tensor, got {x.dtype} on {x.device}"
@@ -332,15 +342,15 @@ class RowsAttention:
 
     @property
     def has_decode(self) -> bool:
-        """Whether this build attends one decoding row over rotated keys in place (``decode_attention``):
-        both bf16 builds do (decode_attention.h)."""
+        """Whether this build attends one decoding row over rotated keys in place
+        (``decode_attention``): both bf16 builds do (decode_attention.h)."""
         return hasattr(self.lib, "kvb_decode_attention")
 
     def decode_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, num_threads: int
     ) -> torch.Tensor:
-        """One query row over keys [0, n): q [Hq, d] rotated (heads may be strided, each dense), k, v
-        [Hkv, n, d] with k rotated (dense rows; heads may be strided) -> [1, Hq * d]."""
+        """One query row over keys [0, n): q [Hq, d] rotated (heads may be strided, each dense), k,
+        v [Hkv, n, d] with k rotated (dense rows; heads may be strided) -> [1, Hq * d]."""
         num_heads, d = q.shape
         num_kv_heads, num_keys, _ = k.shape
         self._check_head_dim(d)
@@ -376,8 +386,8 @@ class RowsAttention:
 
     @property
     def has_elementwise(self) -> bool:
-        """Whether this build has the row-wise ops (``rms_norm``, ``silu_mul``, ``scatter_rows``): both bf16
-        builds do."""
+        """Whether this build has the row-wise ops (``rms_norm``, ``silu_mul``, ``scatter_rows``):
+        both bf16 builds do."""
         return hasattr(self.lib, "kvb_rms_norm")
 
     def rms_norm(
@@ -388,8 +398,9 @@ class RowsAttention:
         num_threads: int,
         delta: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """RMSNorm(x) * weight for x [S, D] -> (out [S, D], None); with ``delta`` [S, D] the residual add
-        first: (RMSNorm(x + delta) * weight, x + delta). Rounded as the HF module rounds (rows_elementwise.h)."""
+        """RMSNorm(x) * weight for x [S, D] -> (out [S, D], None); with ``delta`` [S, D] the
+        residual add first: (RMSNorm(x + delta) * weight, x + delta). Rounded as the HF module
+        rounds (rows_elementwise.h)."""
         rows, dim = x.shape
         self._check_rows(x, "x", dim)
         self._check_rows(weight.view(1, -1), "weight", dim)
@@ -435,13 +446,15 @@ class RowsAttention:
         )
         if rc != 0:
             raise ValueError(
-                f"silu_mul rejected [{rows}, {width}] (rc={rc}; half the width must be a multiple of 16)"
+                f"silu_mul rejected [{rows}, {width}] (rc={rc}; half the width must "
+                "be a multiple of 16)"
             )
         return out
 
     def scatter_rows(self, dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
-        """dst[:, rows] = src for dst [H, T, d] (dense [T, d] per head; heads may be strided) and src
-        [H, A, d] (rows and heads may be strided, each row dense); rows: [A] int64, contiguous."""
+        """dst[:, rows] = src for dst [H, T, d] (dense [T, d] per head; heads may be
+        strided) and src [H, A, d] (rows and heads may be strided, each row dense); rows:
+        [A] int64, contiguous."""
         num_heads, num_dst, width = dst.shape
         dense_dst = dst.stride(2) == 1 and (num_dst == 1 or dst.stride(1) == width)
         if (
@@ -454,8 +467,8 @@ class RowsAttention:
             or not rows.is_contiguous()
         ):
             raise ValueError(
-                f"scatter_rows needs dst [H, T, d] with dense rows, src [H, A, d] with dense rows and "
-                f"int64 rows [A] ({self.dtype}); got {tuple(dst.shape)}, {tuple(src.shape)}"
+                "scatter_rows needs dst [H, T, d] with dense rows, src [H, A, d] with dense rows "
+                f"and int64 rows [A] ({self.dtype}); got {tuple(dst.shape)}, {tuple(src.shape)}"
             )
         rc = self.lib.kvb_scatter_rows(
             src.data_ptr(),
@@ -475,8 +488,8 @@ class RowsAttention:
     def _check_rows(
         self, t: torch.Tensor, name: str, width: int, num_rows: int | None = None
     ) -> None:
-        """t must be [rows, width] of the kernel's dtype on the CPU with dense rows; with ``num_rows``, as
-        many rows as x (the call's input)."""
+        """t must be [rows, width] of the kernel's dtype on the CPU with dense rows; with
+        ``num_rows``, as many rows as x (the call's input)."""
         if (
             t.dtype != self.dtype
             or t.device.type != "cpu"
@@ -486,8 +499,8 @@ class RowsAttention:
             or (t.shape[0] > 1 and t.stride(0) < width)
         ):
             raise ValueError(
-                f"{name} must be a {dtype_name(self.dtype)} CPU tensor [rows, {width}] with dense rows, "
-                f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}"
+                f"{name} must be a {dtype_name(self.dtype)} CPU tensor [rows, {width}] with dense "
+                f"rows, got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}"
             )
         if num_rows is not None and t.shape[0] != num_rows:
             raise ValueError(f"{name} has {t.shape[0]} rows, x {num_rows}")
@@ -521,8 +534,8 @@ class PackedLinear:
     bias: torch.Tensor | None  # [N] fp32
 
     def columns(self, start: int, end: int) -> "PackedLinear":
-        """Output columns [start, end) (multiples of 32) as a weight of their own, a view: the packing is
-        column block by column block (a fused q/k/v weight's parts)."""
+        """Output columns [start, end) (multiples of 32) as a weight of their own, a view: the
+        packing is column block by column block (a fused q/k/v weight's parts)."""
         if not (0 <= start < end <= self.num_out) or start % 32 or end % 32:
             raise ValueError(
                 f"columns [{start}, {end}) must be multiples of 32 within [0, {self.num_out}]"
@@ -548,11 +561,11 @@ def load_rows_attention(
     name: str | None = None,
     head_dim: int = HEAD_DIM,
 ) -> RowsAttention:
-    """The compiled kernel for ``dtype`` (bfloat16: AMX, else AVX512-BF16; float32: AVX2) and ``head_dim``,
-    or the build ``name``, built once per source/flags/compiler into ``cache_dir``/kernels, or
-    ``KernelUnavailable`` with the reason. Builds are tried most preferred first, so an AMX build that fails
-    its self-check leaves AVX512-BF16 (``select_rows_attention`` also says why). Thread-safe; cached per
-    process."""
+    """The compiled kernel for ``dtype`` (bfloat16: AMX, else AVX512-BF16; float32: AVX2) and
+    ``head_dim``, or the build ``name``, built once per source/flags/compiler into
+    ``cache_dir``/kernels, or ``KernelUnavailable`` with the reason. Builds are tried most preferred
+    first, so an AMX build that fails its self-check leaves AVX512-BF16 (``select_rows_attention``
+    also says why). Thread-safe; cached per process."""
     return select_rows_attention(cache_dir, dtype, name, head_dim)[0]
 
 
@@ -562,9 +575,9 @@ def select_rows_attention(
     name: str | None = None,
     head_dim: int = HEAD_DIM,
 ) -> tuple[RowsAttention, KernelUnavailable | None]:
-    """As ``load_rows_attention``, and why a more preferred build was passed over: the first such build's
-    ``KernelUnavailable`` when it is a defect (it failed to build or its self-check), else None (the kernel
-    is this CPU's best, or the better builds need features this CPU lacks)."""
+    """As ``load_rows_attention``, and why a more preferred build was passed over: the first such
+    build's ``KernelUnavailable`` when it is a defect (it failed to build or its self-check), else
+    None (the kernel is this CPU's best, or the better builds need features this CPU lacks)."""
     specs = kernels_for(dtype)
     if name is not None:
         specs = tuple(spec for spec in specs if spec.name == name)
@@ -586,8 +599,8 @@ def select_rows_attention(
             first_error = first_error or e
             if passed_over is None and e.is_defect:
                 passed_over = e
-    # the first broken build's reason, else the most preferred build's (a CPU without AMX must not hide a
-    # broken AVX512-BF16 build behind "this CPU lacks amx_tile")
+    # the first broken build's reason, else the most preferred build's (a CPU without AMX must not
+    # hide a broken AVX512-BF16 build behind "this CPU lacks amx_tile")
     raise passed_over or first_error
 
 
@@ -614,8 +627,9 @@ _compiler_versions: dict[str, str] = {}
 
 
 def compiler_version(cc: str) -> str:
-    """The first line of ``cc --version`` ("gcc (Debian 12.2.0-14) 12.2.0"): builds and their failure
-    records are keyed by it, so a fixed or upgraded compiler at the same path builds afresh."""
+    """The first line of ``cc --version`` ("gcc (Debian 12.2.0-14) 12.2.0"): builds and
+    their failure records are keyed by it, so a fixed or upgraded compiler at the same
+    path builds afresh."""
     if cc not in _compiler_versions:
         try:
             proc = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
@@ -648,9 +662,10 @@ def _build_and_load(spec: KernelSpec, out_dir: Path, head_dim: int = HEAD_DIM) -
 
 
 def build_path(spec: KernelSpec, out_dir: Path, head_dim: int, cc: str) -> Path:
-    """Where the build of ``spec`` for ``head_dim`` by compiler ``cc`` lives (its failure record beside it,
-    ``.failed``): keyed by the source and the headers it includes, the flags, the compiler's path and its
-    version, so an edited source or another compiler builds (and checks) afresh."""
+    """Where the build of ``spec`` for ``head_dim`` by compiler ``cc`` lives (its failure
+    record beside it, ``.failed``): keyed by the source and the headers it includes, the
+    flags, the compiler's path and its version, so an edited source or another compiler builds
+    (and checks) afresh."""
     source_path = Path(__file__).with_name(spec.source)
     headers = sorted(source_path.parent.glob("*.h"))  # what it includes is part of what is built
     source = source_path.read_bytes() + b"".join(h.read_bytes() for h in headers)
@@ -688,8 +703,8 @@ def _build_checked(
         problem, about_the_build = _self_check(tmp, spec, head_dim)
         if problem is not None:
             reason = (
-                f"the {spec.name} kernel (head_dim {head_dim}) built by {cc} ({compiler_version(cc)}) "
-                f"failed its self-check: {problem}"
+                f"the {spec.name} kernel (head_dim {head_dim}) built by {cc} "
+                f"({compiler_version(cc)}) failed its self-check: {problem}"
             )
             if (
                 about_the_build
@@ -705,9 +720,9 @@ def _build_checked(
 def _self_check(
     lib_path: str, spec: KernelSpec, head_dim: int = HEAD_DIM
 ) -> tuple[str | None, bool]:
-    """Run kvblend.kernels.selfcheck on a new build in a subprocess: a miscompiled kernel may crash, and
-    that must not take this process down. Returns (None, False) when it passed, else (what went wrong,
-    whether that is the build's fault: it crashed or gave wrong numbers)."""
+    """Run kvblend.kernels.selfcheck on a new build in a subprocess: a miscompiled kernel may crash,
+    and that must not take this process down. Returns (None, False) when it passed, else (what went
+    wrong, whether that is the build's fault: it crashed or gave wrong numbers)."""
     package_root = str(
         Path(__file__).resolve().parents[2]
     )  # importable even when not pip-installed
@@ -734,8 +749,8 @@ def _self_check(
 
 
 def open_library(path: Path, spec: KernelSpec, head_dim: int = HEAD_DIM) -> RowsAttention:
-    """Load a built kernel (compiled for ``head_dim``) and set up its CPU state (AMX asks the OS for tile
-    state)."""
+    """Load a built kernel (compiled for ``head_dim``) and set up its CPU state (AMX asks the
+    OS for tile state)."""
     lib = ctypes.CDLL(str(path))
     _declare(lib, spec.init_symbol)
     if spec.init_symbol is not None and getattr(lib, spec.init_symbol)() != 0:

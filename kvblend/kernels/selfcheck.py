@@ -1,10 +1,11 @@
 """Self-check of a freshly built kernel, run in a subprocess before the build is put in place.
 
 A miscompiled native kernel does not raise, it kills the process (gcc 12 once dropped the AMX tile
-config's stores at -O3 and every prefill died with SIGSEGV) or returns wrong numbers. So the loader runs
-``python -m kvblend.kernels.selfcheck <lib.so> <kernel name> [head_dim]`` once per build: exit 0 means the library
-attended scattered rows (GQA, RoPE, a partial last tile, 2 threads) and (the bf16 builds) a decoding row like an
-fp32 PyTorch reference, and (the AMX build) projected rows like fp32 math rounded to bf16.
+config's stores at -O3 and every prefill died with SIGSEGV) or returns wrong numbers. So the loader
+runs ``python -m kvblend.kernels.selfcheck <lib.so> <kernel name> [head_dim]`` once per build: exit
+0 means the library attended scattered rows (GQA, RoPE, a partial last tile, 2 threads) and (the
+bf16 builds) a decoding row like an fp32 PyTorch reference, and (the AMX build) projected rows like
+fp32 math rounded to bf16.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from kvblend.kernels import EXIT_MISMATCH, KERNELS_BY_NAME, open_library
 
 # Output tolerance per kernel dtype for unit-scale inputs (bf16 probabilities before P V: ~1e-2).
 OUTPUT_ATOL = {torch.bfloat16: 5e-2, torch.float32: 1e-3}
-# key_mass against a reference fed the same bf16-rounded rotated queries: only exp2's polynomial (relative
-# error < 7.5e-5) and the order of fp32 sums differ, so |mass - ref| <= KEY_MASS_RTOL * max(ref, 1).
+# key_mass against a reference fed the same bf16-rounded rotated queries: only exp2's
+# polynomial (relative error < 7.5e-5) and the order of fp32 sums differ, so |mass - ref| <=
+# KEY_MASS_RTOL * max(ref, 1).
 KEY_MASS_RTOL = 1e-3
 
 
 def rope_half_tables(num_positions: int, head_dim: int = 64, base: float = 10000.0):
-    """fp32 (cos, sin) [num_positions, head_dim / 2]: the repeated-half tables the kernels rotate with."""
+    """fp32 (cos, sin) [num_positions, head_dim / 2]: the repeated-half tables the
+    kernels rotate with."""
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
     angles = torch.arange(num_positions).float()[:, None] * inv_freq[None]
     return angles.cos().contiguous(), angles.sin().contiguous()
@@ -42,8 +45,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def check(
     kernel, num_keys: int = 300, num_rows: int = 37, num_kv_heads: int = 2, rep: int = 3
 ) -> float:
-    """Max abs difference of ``kernel`` (a RowsAttention, at its head_dim) from the reference; raises if
-    above tolerance."""
+    """Max abs difference of ``kernel`` (a RowsAttention, at its head_dim) from the reference;
+    raises if above tolerance."""
     gen = torch.Generator().manual_seed(0)
     d = kernel.head_dim
     k = torch.randn(num_kv_heads, num_keys, d, generator=gen).to(kernel.dtype)  # [Hkv, T, d]
@@ -87,8 +90,9 @@ def check(
 def reference_key_mass(
     q_rot: torch.Tensor, k_rot: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """fp32 [T]: softmax probabilities summed over rows and query heads. q_rot [Hq, A, d] (rounded to bf16 as the
-    kernel rounds its rotated queries), k_rot [Hkv, T, d], mask [A, T] bool (True = may attend)."""
+    """fp32 [T]: softmax probabilities summed over rows and query heads. q_rot [Hq, A, d]
+    (rounded to bf16 as the kernel rounds its rotated queries), k_rot [Hkv, T, d], mask [A, T]
+    bool (True = may attend)."""
     rep = q_rot.shape[0] // k_rot.shape[0]
     scores = (
         q_rot.to(torch.bfloat16).float() @ k_rot.repeat_interleave(rep, 0).transpose(1, 2) * scale
@@ -97,8 +101,8 @@ def reference_key_mass(
 
 
 def check_key_mass(kernel, q, k, v, positions, rope_half, ref: torch.Tensor) -> float:
-    """Max abs difference of the kernel's key_mass (added twice, from zero, then halved) from ``ref``; raises
-    if above tolerance."""
+    """Max abs difference of the kernel's key_mass (added twice, from zero, then halved) from
+    ``ref``; raises if above tolerance."""
     num_keys, d = k.shape[1], k.shape[2]
     out = torch.empty(q.shape[0], q.shape[1] * d, dtype=kernel.dtype)
     scratch = torch.empty(kernel.scratch_bytes(num_keys, k.shape[0]), dtype=torch.uint8)
@@ -138,9 +142,9 @@ def check_linear(kernel, num_rows: int = 45, num_out: int = 96, num_in: int = 64
 
 
 def check_decode(kernel, num_keys: int = 600, num_kv_heads: int = 2, rep: int = 3) -> float:
-    """Max abs difference of ``kernel.decode_attention`` (builds that have it) from fp32 attention of one row
-    over every key: three key chunks, the last partial, heads strided as in a cache. Raises if above the
-    output tolerance."""
+    """Max abs difference of ``kernel.decode_attention`` (builds that have it) from fp32 attention
+    of one row over every key: three key chunks, the last partial, heads strided as in a cache.
+    Raises if above the output tolerance."""
     if not kernel.has_decode:
         return 0.0
     gen = torch.Generator().manual_seed(2)

@@ -1,7 +1,8 @@
-"""Resolve a model reference to local HF weights, converting a GGUF file once into a safetensors cache.
+"""Resolve a model reference to local HF weights, converting a GGUF file once into
+a safetensors cache.
 
-Dequantizing a GGUF costs 10-55 s; the converted bf16 safetensors reload in well under a second, so the
-first load writes ``<cache_dir>/models/<name>-<digest>/`` atomically and later loads reuse it.
+Dequantizing a GGUF costs 10-55 s; the converted bf16 safetensors reload in well under a second, so
+the first load writes ``<cache_dir>/models/<name>-<digest>/`` atomically and later loads reuse it.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16":
 
 
 class ModelLoadError(ValueError):
-    """A model reference that cannot be resolved, an architecture kvblend does not run, or a device that is
-    not there. A ValueError, so the CLI prints it as one line."""
+    """A model reference that cannot be resolved, an architecture kvblend does not run, or a device
+    that is not there. A ValueError, so the CLI prints it as one line."""
 
 
 @dataclass
@@ -90,7 +91,8 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, dtype: str) -> None:
     src_dir, name = str(gguf_path.parent), gguf_path.name
     model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=TORCH_DTYPES[dtype])
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    # transformers refuses to save a gguf-"quantized" model although its weights are plain floats now.
+    # transformers refuses to save a gguf-"quantized" model although its weights
+    # are plain floats now.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -114,7 +116,8 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
     path = Path(ref).expanduser()
     if not path.exists():
         raise ModelLoadError(
-            f"model path {ref!r} does not exist (model hubs are not reachable: pass a local dir or .gguf)"
+            f"model path {ref!r} does not exist (model hubs are not reachable: pass "
+            "a local dir or .gguf)"
         )
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -134,7 +137,8 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
 
 
 def _check_device(device: str) -> None:
-    """Fail before any weights load when the device is not there (a CPU-only torch build, no GPU)."""
+    """Fail before any weights load when the device is not there (a CPU-only
+    torch build, no GPU)."""
     if device == "cpu":
         return
     if not torch.cuda.is_available():
@@ -145,7 +149,8 @@ def _check_device(device: str) -> None:
     index = torch.device(device).index or 0
     if index >= torch.cuda.device_count():
         raise ModelLoadError(
-            f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            f"device {device!r} asked for, but this machine has "
+            f"{torch.cuda.device_count()} CUDA device(s)"
         )
 
 
@@ -157,7 +162,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     hf_config = AutoConfig.from_pretrained(model_dir)
     if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
-            f"unsupported architecture {hf_config.model_type!r}; kvblend runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported architecture {hf_config.model_type!r}; kvblend runs "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)

@@ -53,17 +53,19 @@ class TransformerOps:
             if self.fused_mlp
             else []
         )
-        # kvblend.kernels.RowsAttention (native attention with RoPE fused: AMX bf16 / AVX2 fp32) or None.
+        # kvblend.kernels.RowsAttention (native attention with RoPE fused: AMX bf16
+        # / AVX2 fp32) or None.
         self.rows_attention = rows_attention
         self._rope_half: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope_half_tables
-        # (layer, "qkv" | "o" | "down") -> the kernel's packed weight, or None where it does not take the shape
+        # (layer, "qkv" | "o" | "down") -> the kernel's packed weight, or None where it
+        # does not take the shape
         self._packed: dict[tuple[int, str], object] = {}
 
     def rope_half_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """fp32 (cos, sin) [num_positions, head_dim / 2] from the model's rotary module, or None when its
-        tables do not repeat their first half (the form the native kernel rotates with). Kept for the
-        longest prompt so far and sliced (~8 ms a 6k-token prompt otherwise), except for "dynamic" RoPE,
-        whose frequencies depend on the length asked for."""
+        """fp32 (cos, sin) [num_positions, head_dim / 2] from the model's rotary module, or None
+        when its tables do not repeat their first half (the form the native kernel rotates with).
+        Kept for the longest prompt so far and sliced (~8 ms a 6k-token prompt otherwise), except
+        for "dynamic" RoPE, whose frequencies depend on the length asked for."""
         cached = self._rope_half
         if cached is not None and cached[0].shape[0] >= num_positions:
             return cached[0][:num_positions], cached[1][:num_positions]
@@ -86,7 +88,8 @@ class TransformerOps:
         return cos[:, :half].contiguous(), sin[:, :half].contiguous()
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, head_dim] for absolute ``positions`` [N], via the model's own rotary module."""
+        """cos, sin [N, head_dim] for absolute ``positions`` [N], via the model's
+        own rotary module."""
         probe = torch.empty(0, dtype=self.dtype, device=self.device)
         cos, sin = self.rotary(probe, positions.view(1, -1).to(self.device))
         return cos[0], sin[0]
@@ -95,9 +98,10 @@ class TransformerOps:
         return self.embed_tokens(token_ids.to(self.device))  # [A, D]
 
     def qkv(self, layer_idx: int, h: torch.Tensor, parts: str = "qkv"):
-        """Pre-RoPE projections of rows ``h`` [A, D]: q [Hq, A, d], k [Hkv, A, d], v [Hkv, A, d], one per
-        letter of ``parts`` ("qkv", "qk", "kv", "q", "k" or "v": rows of the fused weight in that order,
-        so a part is one matmul over a slice of it; a blend needs only some parts for some rows)."""
+        """Pre-RoPE projections of rows ``h`` [A, D]: q [Hq, A, d], k [Hkv, A, d], v
+        [Hkv, A, d], one per letter of ``parts`` ("qkv", "qk", "kv", "q", "k" or "v": rows of
+        the fused weight in that order, so a part is one matmul over a slice of it; a blend
+        needs only some parts for some rows)."""
         if parts not in _QKV_PARTS:
             raise ValueError(f"parts must be one of {_QKV_PARTS}, got {parts!r}")
         layer = self.layers[layer_idx]
@@ -148,9 +152,9 @@ class TransformerOps:
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
     def decode_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """One decoding row: q [Hq, d] over every key of k, v [Hkv, n, d] (q and k rotated) -> [1, Hq * d].
-        The native kernel reads the cache in place where it takes the tensors (a bf16 build of this head size,
-        dense rows), else SDPA."""
+        """One decoding row: q [Hq, d] over every key of k, v [Hkv, n, d] (q and k rotated) ->
+        [1, Hq * d]. The native kernel reads the cache in place where it takes the tensors (a bf16
+        build of this head size, dense rows), else SDPA."""
         kernel, d = self.rows_attention, self.head_dim
         dense = q.stride(-1) == 1 and all(t.stride(-1) == 1 and t.stride(-2) == d for t in (k, v))
         if (
@@ -172,7 +176,8 @@ class TransformerOps:
     def attend_rows(
         self, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks
     ) -> torch.Tensor:
-        """Attention of a sorted set of rows, block by block (``blocks``: RowBlocks over those rows).
+        """Attention of a sorted set of rows, block by block (``blocks``:
+        RowBlocks over those rows).
 
         qg [Hkv, A * rep, d]: post-RoPE queries grouped by KV head, a row's ``rep`` query heads
         adjacent, so a block of rows is a contiguous slice and K/V are never repeated in memory.
@@ -197,9 +202,10 @@ class TransformerOps:
     def _attend_block_cpu(
         self, qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk, dst: torch.Tensor
     ) -> None:
-        """One block into dst [Hkv, n, rep, d]. Keys [0, split) precede every row: one unmasked flash
-        call; the tail [split, num_keys) runs masked (or causal when the rows are consecutive); the two
-        partial results merge by their log-sum-exp. A masked kernel is slower per score, hence the split."""
+        """One block into dst [Hkv, n, rep, d]. Keys [0, split) precede every row: one unmasked
+        flash call; the tail [split, num_keys) runs masked (or causal when the rows are
+        consecutive); the two partial results merge by their log-sum-exp. A masked kernel is slower
+        per score, hence the split."""
         rep, d = self.group_size, self.head_dim
         n = qb.shape[1] // rep
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -208,7 +214,8 @@ class TransformerOps:
             qh = _heads_major(qb, rep)  # causal masks need one query head per row
             if blk.split <= n:
                 # A run after a short stored head (prefix mode, blend@1): pad the queries with the
-                # head's positions and run one causal kernel; the padded rows cost less than a merge.
+                # head's positions and run one causal kernel; the padded rows
+                # cost less than a merge.
                 padded = torch.cat([qh.new_zeros(qh.shape[0], blk.split, d), qh], dim=1)
                 res = self.attend(padded, k[:, : blk.num_keys], v[:, : blk.num_keys], None)[
                     blk.split :
@@ -258,7 +265,8 @@ class TransformerOps:
 
     def finish_layer(self, layer_idx: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj, then residual + MLP. h, attn_out: [S, D] / [S, Hq*d] -> [S, D].
-        A long prompt's MLP runs in even row blocks (``mlp_row_blocks``): rows are independent there."""
+        A long prompt's MLP runs in even row blocks (``mlp_row_blocks``): rows are
+        independent there."""
         layer = self.layers[layer_idx]
         attn_proj = self._project(layer_idx, "o", layer.self_attn.o_proj, attn_out)
         x, h = self._norm(layer.post_attention_layernorm, h, attn_proj)  # x: the MLP's normed input
@@ -281,7 +289,8 @@ class TransformerOps:
         residual: torch.Tensor,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """residual + the MLP's output, for normed rows x [S, D] (residual [S, D]); into ``out`` when given."""
+        """residual + the MLP's output, for normed rows x [S, D] (residual [S, D]); into
+        ``out`` when given."""
         layer = self.layers[layer_idx]
         if not self.fused_mlp:
             return torch.add(residual, layer.mlp(x), out=out)
@@ -299,9 +308,10 @@ class TransformerOps:
         return self._project(layer_idx, "down", layer.mlp.down_proj, act, residual, out)
 
     def write_rows(self, dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
-        """dst[:, rows] = src for a layer's K or V: dst [Hkv, T, d], src [Hkv, A, d], rows [A] (sorted,
-        distinct). A plain copy when the rows are all of them; the native scatter for a bf16 model on the
-        CPU (one memcpy a row and head); else index_copy_ (a little faster than index_put for ~1k rows)."""
+        """dst[:, rows] = src for a layer's K or V: dst [Hkv, T, d], src [Hkv, A, d], rows [A]
+        (sorted, distinct). A plain copy when the rows are all of them; the native scatter for a
+        bf16 model on the CPU (one memcpy a row and head); else index_copy_ (a little faster than
+        index_put for ~1k rows)."""
         if rows.numel() == dst.shape[1]:
             dst.copy_(src)
         elif (
@@ -315,7 +325,8 @@ class TransformerOps:
             dst.index_copy_(1, rows, src)
 
     def _native_elementwise(self, x: torch.Tensor) -> bool:
-        """Whether rows x [S, W] go through the native row-wise ops (a bf16 build of the kernels, on the CPU)."""
+        """Whether rows x [S, W] go through the native row-wise ops (a bf16 build of the
+        kernels, on the CPU)."""
         kernel = self.rows_attention
         return (
             kernel is not None
@@ -328,9 +339,9 @@ class TransformerOps:
         )
 
     def _norm(self, norm: torch.nn.Module, h: torch.Tensor, delta: torch.Tensor | None = None):
-        """(norm(h'), h') for rows h [S, D], where h' = h + delta (the residual add before a norm) or h.
-        HF RMSNorms of a bf16 model go through the native kernel in one pass (rows_elementwise.h);
-        anything else through ``_rms_norm``."""
+        """(norm(h'), h') for rows h [S, D], where h' = h + delta (the residual add before a norm)
+        or h. HF RMSNorms of a bf16 model go through the native kernel in one pass
+        (rows_elementwise.h); anything else through ``_rms_norm``."""
         if (
             _is_hf_rms(norm)
             and self._native_elementwise(h)
@@ -353,9 +364,9 @@ class TransformerOps:
         residual: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """module(x) (+ residual) for x [S, in]; through the native AMX projection for the row counts a blend
-        recomputes (NATIVE_LINEAR_MAX_ROWS), where oneDNN's two-thread split is poor, with the residual add
-        in its epilogue. ``out``: where the result goes, else a new tensor."""
+        """module(x) (+ residual) for x [S, in]; through the native AMX projection for the row
+        counts a blend recomputes (NATIVE_LINEAR_MAX_ROWS), where oneDNN's two-thread split is poor,
+        with the residual add in its epilogue. ``out``: where the result goes, else a new tensor."""
         packed = self._packed_weight(layer_idx, name, module.weight, module.bias, x, residual, out)
         if packed is not None:
             return self.rows_attention.linear(x, packed, torch.get_num_threads(), residual, out)
@@ -373,10 +384,11 @@ class TransformerOps:
         x: torch.Tensor,
         *more: torch.Tensor | None,
     ):
-        """The native projection's packed ``weight`` ("qkv", "o", "gate_up" or "down") for rows x [S, in] (and
-        the call's other row tensors ``more``), packed at first use, a copy beside the module's (SmolLM2-135M:
-        212 MB for all four); None where the call goes to PyTorch: no AMX build, more rows than
-        NATIVE_LINEAR_MAX_ROWS[name], another dtype or device, rows that are not dense, a shape it does not take."""
+        """The native projection's packed ``weight`` ("qkv", "o", "gate_up" or "down") for rows x
+        [S, in] (and the call's other row tensors ``more``), packed at first use, a copy beside the
+        module's (SmolLM2-135M: 212 MB for all four); None where the call goes to PyTorch: no AMX
+        build, more rows than NATIVE_LINEAR_MAX_ROWS[name], another dtype or device, rows that are
+        not dense, a shape it does not take."""
         kernel = self.rows_attention
         if (
             kernel is None
@@ -398,27 +410,29 @@ class TransformerOps:
         return self.lm_head(self._norm(self.final_norm, h)[0]).float()
 
 
-# Most rows each projection takes through the native AMX kernel (kvblend/kernels/amx_linear.h), above which
-# oneDNN's. Measured on a 2-core Sapphire Rapids, bf16, SmolLM2 shapes. o_proj and down_proj, median of 25
-# calls, at 960 rows: 0.37 ms against oneDNN's 0.60, 0.84 against 1.77; at 3,104 rows oneDNN wins (0.95 / 2.72
-# ms against 1.26 / 2.82). q/k/v and gate/up alone are faster on oneDNN (960 rows: 0.47 / 1.14 ms against the
-# kernel's 0.60 / 1.75), but between the native norm and attention a oneDNN call first wakes PyTorch's OpenMP
-# threads: one row's norm + q/k/v took 0.36 ms against 0.07 for the matmul alone. In place, a layer's q/k/v +
-# o_proj + MLP was faster with the kernel's q/k/v up to 1,280 rows (5.49 against 5.77 ms), about even at 1,536
-# (6.33 against 6.24) and slower at 2,048 (8.01 against 7.83); o_proj + MLP with the kernel's gate/up up to 512
-# rows (2.15 against 2.21 ms; 1 row 0.32 against 0.62) and slower at 960 (3.65 against 3.27).
+# Most rows each projection takes through the native AMX kernel (kvblend/kernels/amx_linear.h),
+# above which oneDNN's. Measured on a 2-core Sapphire Rapids, bf16, SmolLM2 shapes. o_proj and
+# down_proj, median of 25 calls, at 960 rows: 0.37 ms against oneDNN's 0.60, 0.84 against 1.77; at
+# 3,104 rows oneDNN wins (0.95 / 2.72 ms against 1.26 / 2.82). q/k/v and gate/up alone are faster on
+# oneDNN (960 rows: 0.47 / 1.14 ms against the kernel's 0.60 / 1.75), but between the native norm
+# and attention a oneDNN call first wakes PyTorch's OpenMP threads: one row's norm + q/k/v took 0.36
+# ms against 0.07 for the matmul alone. In place, a layer's q/k/v + o_proj + MLP was faster with the
+# kernel's q/k/v up to 1,280 rows (5.49 against 5.77 ms), about even at 1,536 (6.33 against 6.24)
+# and slower at 2,048 (8.01 against 7.83); o_proj + MLP with the kernel's gate/up up to 512 rows
+# (2.15 against 2.21 ms; 1 row 0.32 against 0.62) and slower at 960 (3.65 against 3.27).
 NATIVE_LINEAR_MAX_ROWS = {"qkv": 1280, "o": 2048, "gate_up": 512, "down": 2048}
 
-# Most rows one MLP call takes on the CPU, by dtype. Measured on a 2-core Sapphire Rapids (SmolLM2 shapes,
-# D 576 -> 2 x 1536): bf16 gate/up cost 1.35 us/row at 5,120 rows and 3.44 at 6,256 (its [S, 3072] output
-# no longer stays in cache), so a 6,256-row MLP took 36 ms whole and 21 ms as two blocks; fp32 132 ms
-# whole, 117 ms in blocks of <= 2,048 rows (blocks of 4,096 rows did not help fp32 at 4-7.5k rows).
+# Most rows one MLP call takes on the CPU, by dtype. Measured on a 2-core Sapphire Rapids (SmolLM2
+# shapes, D 576 -> 2 x 1536): bf16 gate/up cost 1.35 us/row at 5,120 rows and 3.44 at 6,256 (its
+# [S, 3072] output no longer stays in cache), so a 6,256-row MLP took 36 ms whole and 21 ms as two
+# blocks; fp32 132 ms whole, 117 ms in blocks of <= 2,048 rows (blocks of 4,096 rows did not help
+# fp32 at 4-7.5k rows).
 MLP_MAX_ROWS = {torch.bfloat16: 4096, torch.float32: 2048}
 
 
 def mlp_row_blocks(num_rows: int, dtype: torch.dtype) -> list[slice]:
-    """Even row blocks of at most MLP_MAX_ROWS[dtype] rows, each a multiple of 16 rows but the last (so
-    oneDNN reuses its matmul primitives across layers); one block when the rows fit."""
+    """Even row blocks of at most MLP_MAX_ROWS[dtype] rows, each a multiple of 16 rows but the last
+    (so oneDNN reuses its matmul primitives across layers); one block when the rows fit."""
     max_rows = MLP_MAX_ROWS.get(dtype, num_rows)
     if num_rows <= max_rows:
         return [slice(0, num_rows)]
@@ -428,7 +442,8 @@ def mlp_row_blocks(num_rows: int, dtype: torch.dtype) -> list[slice]:
 
 
 def _heads_major(qg: torch.Tensor, rep: int) -> torch.Tensor:
-    """[Hkv, n * rep, d] grouped queries -> [Hq, n, d] (query head h = kv head h // rep, as HF's repeat_kv)."""
+    """[Hkv, n * rep, d] grouped queries -> [Hq, n, d] (query head h = kv head h // rep,
+    as HF's repeat_kv)."""
     num_kv_heads, rows, d = qg.shape
     return (
         qg.view(num_kv_heads, rows // rep, rep, d)
@@ -439,7 +454,8 @@ def _heads_major(qg: torch.Tensor, rep: int) -> torch.Tensor:
 
 def _fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One (weight [sum(out), in], bias or None) for linears sharing an input. The modules' own
-    parameters are re-pointed at slices of it, so the model keeps working and memory is not doubled."""
+    parameters are re-pointed at slices of it, so the model keeps working and
+    memory is not doubled."""
     weight = torch.cat([lin.weight.detach() for lin in linears])
     has_bias = [lin.bias is not None for lin in linears]
     bias = None

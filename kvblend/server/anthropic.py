@@ -1,10 +1,12 @@
-"""Anthropic Messages API: ``POST /v1/messages`` on top of the same backends as the OpenAI endpoints.
+"""Anthropic Messages API: ``POST /v1/messages`` on top of the same backends as
+the OpenAI endpoints.
 
 A Messages request becomes OpenAI-style chat messages with text content parts and goes through
-``backend.open(job)`` like ``/v1/chat/completions``: for a local model, the text blocks of the last user
-message are chunks exactly like OpenAI content parts (every block but the last is a cached chunk, the
-last is the question); ``system`` (string or text blocks) becomes the system message. For an upstream
-model the job becomes a streamed OpenAI chat request to the upstream (see ``upstream.py``).
+``backend.open(job)`` like ``/v1/chat/completions``: for a local model, the text blocks of the
+last user message are chunks exactly like OpenAI content parts (every block but the last is a
+cached chunk, the last is the question); ``system`` (string or text blocks) becomes the system
+message. For an upstream model the job becomes a streamed OpenAI chat request to the upstream
+(see ``upstream.py``).
 
 Usage follows Anthropic's meaning: ``input_tokens`` are the prompt tokens *not* read from the cache,
 ``cache_read_input_tokens`` the ones whose KV was reused from the chunk store (OpenAI's
@@ -15,8 +17,8 @@ prefill, without billing or counting it separately. kvblend's own prefill stats 
 
 stop_reason: "stop" -> end_turn, "length" -> max_tokens, a stop sequence -> stop_sequence (with
 ``stop_sequence`` set). For local models stop sequences are matched here, on the generated text (the
-generation is cancelled at the match); upstreams get them as OpenAI ``stop`` and report stop_sequence
-only when they say which one matched (vLLM's ``stop_reason``), else end_turn.
+generation is cancelled at the match); upstreams get them as OpenAI ``stop`` and report
+stop_sequence only when they say which one matched (vLLM's ``stop_reason``), else end_turn.
 
 Errors are Anthropic-shaped: ``{"type": "error", "error": {"type": ..., "message": ...}}`` with the
 same HTTP status the OpenAI endpoints would use. Auth: ``x-api-key`` or ``Authorization: Bearer``.
@@ -195,7 +197,8 @@ def _document_parts(b: ContentBlock, where: str) -> list[dict]:
 
 
 def to_openai_messages(body: MessagesRequest) -> list[dict]:
-    """Anthropic system + messages -> OpenAI chat messages; text blocks stay separate content parts."""
+    """Anthropic system + messages -> OpenAI chat messages; text blocks stay
+    separate content parts."""
     out: list[dict] = []
     if isinstance(body.system, str) and body.system:
         out.append({"role": "system", "content": body.system})
@@ -338,7 +341,8 @@ class _Run:
                 f.completion_tokens,
                 f.kvblend,
             )
-        else:  # cut short at a local stop sequence: prefill stats from the stream, output counted here
+        else:
+            # cut short at a local stop sequence: prefill stats from the stream, output counted here
             stats = getattr(self.gen, "stats", None)
             prompt = int(getattr(stats, "prompt_tokens", 0) or 0)
             cached = int(getattr(stats, "cached_tokens", 0) or 0)

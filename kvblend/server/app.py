@@ -1,8 +1,9 @@
-"""The OpenAI-compatible HTTP app: ``create_app(config)`` builds everything; nothing lives in module globals.
+"""The OpenAI-compatible HTTP app: ``create_app(config)`` builds everything; nothing
+lives in module globals.
 
-Request flow: validate (pydantic) -> authenticate (bearer key -> namespace) -> resolve the model id to
-a backend -> ``backend.open(job)`` (queues, waits for prefill: errors become proper 4xx before any
-byte is sent) -> stream ``Delta`` events as SSE, or collect them into one JSON body.
+Request flow: validate (pydantic) -> authenticate (bearer key -> namespace) -> resolve the model id
+to a backend -> ``backend.open(job)`` (queues, waits for prefill: errors become proper 4xx before
+any byte is sent) -> stream ``Delta`` events as SSE, or collect them into one JSON body.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class ServerState:
         return {b.id: (b.queue_depth(), b.active()) for b in self.by_id.values()}
 
     def fidelity_stats(self) -> dict[str, dict]:
-        """{model: agreement stats} of the local models that report them (kvblend/engine/fidelity.py)."""
+        """{model: agreement stats} of the local models that report them
+        (kvblend/engine/fidelity.py)."""
         return {
             b.id: s
             for b in self.by_id.values()
@@ -124,8 +126,9 @@ def create_app(
     store=None,
     on_ready: Callable[[list[Backend]], None] | None = None,
 ) -> FastAPI:
-    """Build the app. ``backends`` (tests) replaces the ones the config describes; ``on_ready`` is called
-    with the loaded backends once every model serves (the CLI prints its start-up summary there)."""
+    """Build the app. ``backends`` (tests) replaces the ones the config describes;
+    ``on_ready`` is called with the loaded backends once every model serves (the CLI prints
+    its start-up summary there)."""
     if backends is None:
         store = create_store(config.store) if store is None else store
         backends = create_backends(config, store)
@@ -543,7 +546,8 @@ class _CompletionFormat:
 
 
 class _RequestMetricsMiddleware:
-    """Pure ASGI (not BaseHTTPMiddleware) so streaming and disconnect detection pass through untouched."""
+    """Pure ASGI (not BaseHTTPMiddleware) so streaming and disconnect detection pass
+    through untouched."""
 
     def __init__(self, app, metrics: Metrics):
         self.app = app

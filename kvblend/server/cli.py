@@ -83,8 +83,8 @@ def _model_override(args: argparse.Namespace, base: list | None) -> list[dict] |
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind the listening socket before any weights load, so a busy port fails in a second, not after
-    the model is up. Port 0 picks a free one (the summary prints it)."""
+    """Bind the listening socket before any weights load, so a busy port fails in a second, not
+    after the model is up. Port 0 picks a free one (the summary prints it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -67,8 +67,8 @@ def context_length_exceeded(
     prompt_tokens: int, max_context_len: int, param: str = "messages"
 ) -> APIError:
     return invalid_request(
-        f"This model's maximum context length is {max_context_len} tokens. However, your messages resulted in "
-        f"{prompt_tokens} tokens. Please reduce the length of the messages.",
+        f"This model's maximum context length is {max_context_len} tokens. However, your messages "
+        f"resulted in {prompt_tokens} tokens. Please reduce the length of the messages.",
         param,
         "context_length_exceeded",
     )

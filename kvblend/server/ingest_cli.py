@@ -1,11 +1,15 @@
-"""`kvblend ingest FILE.jsonl`: precompute documents' chunk KV so first requests already hit the store.
+"""`kvblend ingest FILE.jsonl`: precompute documents' chunk KV so first requests
+already hit the store.
 
 Two targets:
-  --url URL   POST batches to a running server's /v1/chunks (its store, its tenant namespace for the key);
-  (default)   load the model in-process and write into the store the config describes — only useful
+  --url URL   POST batches to a running server's /v1/chunks (its store, its tenant namespace for the
+              key);
+  (default)   load the model in-process and write into the store the config describes — only
+              useful
               with a persistent tier (disk / redis) that the server later reads.
 
-Each line is {"text": ..., "id": ...} ("content" / "contents" / "document" also accepted) or a JSON string.
+Each line is {"text": ..., "id": ...} ("content" / "contents" / "document" also
+accepted) or a JSON string.
 """
 
 from __future__ import annotations
@@ -148,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         if out:
             out.close()
     print(
-        f"ingested {len(docs)} documents ({tokens} tokens): {new} computed, {len(docs) - new} already stored"
+        f"ingested {len(docs)} documents ({tokens} tokens): {new} computed, "
+        f"{len(docs) - new} already stored"
     )
     return 0

@@ -261,7 +261,8 @@ def check_chunk_sizes(chunk_ids: list[list[int]], max_tokens: int | None) -> Non
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` unless the client hangs up first; then cancel it (and the generation with it)."""
+    """Await ``work`` unless the client hangs up first; then cancel it (and the
+    generation with it)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:

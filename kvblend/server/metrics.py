@@ -155,7 +155,8 @@ class Metrics:
         return generate_latest(self.registry)
 
     def register_fidelity(self, fidelity_stats: Callable[[], dict[str, dict]]) -> None:
-        """Fidelity targets (kvblend/engine/fidelity.py): the agreement with full prefill per model."""
+        """Fidelity targets (kvblend/engine/fidelity.py): the agreement with full
+        prefill per model."""
         self.registry.register(_FidelityCollector(fidelity_stats))
 
 

@@ -2,8 +2,8 @@
 
 Unknown request fields are ignored (``extra="ignore"``), as OpenAI-compatible servers do for
 parameters they do not implement (presence_penalty, logit_bias, user, ...). Extensions, sent by the
-OpenAI SDK through ``extra_body``: ``documents``, ``mode``, ``recompute_ratio``, ``selection``, ``fidelity``
-(deviation, query, lookahead, or lookahead:N: the reuse pass's first N layers).
+OpenAI SDK through ``extra_body``: ``documents``, ``mode``, ``recompute_ratio``, ``selection``,
+``fidelity`` (deviation, query, lookahead, or lookahead:N: the reuse pass's first N layers).
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ class CompletionRequest(_Sampling):
 
 
 class ChunksRequest(_Request):
-    """POST /v1/chunks: precompute documents' KV so later requests that contain them hit the store."""
+    """POST /v1/chunks: precompute documents' KV so later requests that contain
+    them hit the store."""
 
     model: str | None = None  # optional when one model is served
     documents: list[DocumentIn] = Field(min_length=1, max_length=4096)
@@ -203,8 +204,8 @@ class Health(BaseModel):
     upstreams: dict[str, dict[str, Any]] | None = (
         None  # upstream id -> reachable, status, latency_ms / error
     )
-    # local model id -> {"kernel": "amx" | "avx512bf16" | "avx2" | "torch", "reason": why not the CPU's best
-    # native build, or None}
+    # local model id -> {"kernel": "amx" | "avx512bf16" | "avx2" | "torch", "reason": why not the
+    # CPU's best native build, or None}
     attention: dict[str, dict[str, Any]] | None = None
 
 

@@ -2,14 +2,16 @@
 
 Two ways in:
 
-* ``forward`` — pass-through for ``/v1/chat/completions`` and ``/v1/completions``: the client's JSON body
-  goes upstream as is, except ``model`` (rewritten to ``upstream_model``) and the key (the client's key
-  was checked by kvblend; the upstream gets its own, read from the env var named by ``api_key_env``).
-  Streams are relayed event by event with ``model`` rewritten back to the gateway id; usage is kept.
-* ``open(job)`` — the ``Backend`` interface (``GenerationJob`` in, ``Delta`` / ``Final`` out), used by the
-  Anthropic ``/v1/messages`` adapter: the job becomes a streamed OpenAI chat request.
+* ``forward`` — pass-through for ``/v1/chat/completions`` and ``/v1/completions``: the client's
+  JSON body goes upstream as is, except ``model`` (rewritten to ``upstream_model``) and the key
+  (the client's key was checked by kvblend; the upstream gets its own, read from the env var named
+  by ``api_key_env``). Streams are relayed event by event with ``model`` rewritten back to the
+  gateway id; usage is kept.
+* ``open(job)`` — the ``Backend`` interface (``GenerationJob`` in, ``Delta`` / ``Final`` out),
+  used by the Anthropic ``/v1/messages`` adapter: the job becomes a streamed OpenAI chat request.
 
-Failures become OpenAI error bodies that name the upstream (``id`` and ``host:port``, never the key):
+Failures become OpenAI error bodies that name the upstream (``id`` and
+``host:port``, never the key):
 
 ====================================  ======  ===========================
 upstream outcome                      status  code
@@ -57,7 +59,8 @@ HEALTH_CACHE_S = 2.0  # /health is polled often; probe each upstream at most thi
 
 
 class UpstreamBackend:
-    """A model id forwarded to ``entry.base_url``. Implements the ``Backend`` protocol plus ``forward``."""
+    """A model id forwarded to ``entry.base_url``. Implements the ``Backend`` protocol
+    plus ``forward``."""
 
     owned_by = "upstream"
 
@@ -126,14 +129,15 @@ class UpstreamBackend:
             "unsupported_for_upstream",
         )
 
-    # --- HTTP --------------------------------------------------------------------------------------
+    # --- HTTP -------------------------------------------------------------------------------------
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             timeout = httpx.Timeout(
                 self.entry.timeout_s, connect=min(CONNECT_TIMEOUT_S, self.entry.timeout_s)
             )
-            # trust_env=False: kvblend reads the environment only in kvblend/config.py (no proxy surprises).
+            # trust_env=False: kvblend reads the environment only in kvblend/config.py
+            # (no proxy surprises).
             self._client = httpx.AsyncClient(
                 timeout=timeout, transport=self._transport, trust_env=False
             )
@@ -146,7 +150,8 @@ class UpstreamBackend:
         return h
 
     async def _send(self, path: str, body: dict, stream: bool) -> httpx.Response:
-        """POST with retries on connection failures only; any HTTP status is returned, not raised."""
+        """POST with retries on connection failures only; any HTTP status is
+        returned, not raised."""
         client = self._http()
         attempts = 1 + self.entry.retries
         last: Exception | None = None
@@ -171,7 +176,7 @@ class UpstreamBackend:
             raise self.timeout_error(last, attempts)
         raise self.unreachable_error(last, attempts)
 
-    # --- error mapping -----------------------------------------------------------------------------
+    # --- error mapping ----------------------------------------------------------------------------
 
     def unreachable_error(self, exc: BaseException | None, attempts: int = 1) -> errors.APIError:
         tries = f" after {attempts} attempts" if attempts > 1 else ""
@@ -209,7 +214,8 @@ class UpstreamBackend:
     def status_error(
         self, status: int, content: bytes, headers: httpx.Headers | dict
     ) -> errors.APIError:
-        """An upstream HTTP error status -> the error the gateway's client gets (see the module table)."""
+        """An upstream HTTP error status -> the error the gateway's client gets (see
+        the module table)."""
         msg, param, code = _upstream_error(content, self._redact)  # masked before it is cut short
         detail = f"HTTP {status}: {msg}" if msg else f"HTTP {status}"
         retry = {"Retry-After": headers["retry-after"]} if "retry-after" in headers else {}
@@ -276,7 +282,8 @@ class UpstreamBackend:
     # --- pass-through (OpenAI endpoints) --------------------------------------------------------
 
     async def forward(self, request: Request, path: str, metrics=None) -> Response:
-        """Relay the client's request body to ``base_url + path`` (``/chat/completions`` | ``/completions``)."""
+        """Relay the client's request body to ``base_url + path`` (``/chat/completions`` |
+        ``/completions``)."""
         request.state.model = self.id
         try:
             body = json.loads(await request.body())
@@ -446,7 +453,7 @@ class UpstreamBackend:
             )
         return self._redactor.obj(obj)
 
-    # --- health ------------------------------------------------------------------------------------
+    # --- health -----------------------------------------------------------------------------------
 
     async def probe(self) -> dict:
         """Reachability for /health: GET base_url/models with a short timeout (cached briefly)."""

@@ -23,7 +23,8 @@ class ChunkKV:
     def __post_init__(self):
         if self.k.shape != self.v.shape or self.k.dim() != 4:
             raise ValueError(
-                f"ChunkKV wants k, v of one shape [layers, kv_heads, L, d]; got {tuple(self.k.shape)}, {tuple(self.v.shape)}"
+                "ChunkKV wants k, v of one shape [layers, kv_heads, L, d]; got "
+                f"{tuple(self.k.shape)}, {tuple(self.v.shape)}"
             )
 
     @property

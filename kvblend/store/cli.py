@@ -1,9 +1,10 @@
-"""`kvblend store stats | ls | clear`: inspect the chunk KV tiers a server with the same config uses.
+"""`kvblend store stats | ls | clear`: inspect the chunk KV tiers a server with
+the same config uses.
 
 The tiers come from the server's config (``--config``, then KVBLEND_STORE_TIERS / _STORE_DIR /
-_REDIS_URL, then ``--dir`` / ``--redis-url``). The memory tier lives inside a serving process, so it is
-listed with its budget only (the server's ``/metrics`` has its counters); hit / miss counters are this
-invocation's own (``stats --verify`` reads every entry, which makes ``corrupt`` meaningful).
+_REDIS_URL, then ``--dir`` / ``--redis-url``). The memory tier lives inside a serving process, so it
+is listed with its budget only (the server's ``/metrics`` has its counters); hit / miss counters are
+this invocation's own (``stats --verify`` reads every entry, which makes ``corrupt`` meaningful).
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def store_config(args: argparse.Namespace):
-    """The StoreConfig a `kvblend serve` with the same config file and environment would use, with this
-    command's flags on top. ``--dir`` / ``--redis-url`` add their tier; ``--tier disk`` inspects the
-    disk tier even when the server keeps chunks in memory only."""
+    """The StoreConfig a `kvblend serve` with the same config file and environment would use, with
+    this command's flags on top. ``--dir`` / ``--redis-url`` add their tier; ``--tier disk``
+    inspects the disk tier even when the server keeps chunks in memory only."""
     import dataclasses
 
     from kvblend.settings import load_server_config

@@ -25,7 +25,8 @@ def mask_url_password(url: str) -> str:
 
 
 def describe_store(cfg: StoreConfig) -> str:
-    """Tiers in lookup order with their budgets, e.g. ``memory 8.0 GiB -> disk /var/kv 20.0 GiB``."""
+    """Tiers in lookup order with their budgets, e.g. ``memory 8.0 GiB -> disk
+    /var/kv 20.0 GiB``."""
     parts = []
     for tier in cfg.tiers:
         if tier == "memory":

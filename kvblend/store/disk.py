@@ -60,7 +60,8 @@ class DiskStore(KVStore):
         return unquote(name[: -len(SUFFIX)])
 
     def _scan(self) -> None:
-        """Rebuild the LRU index from the directory, oldest mtime first; evict down to the budget."""
+        """Rebuild the LRU index from the directory, oldest mtime first; evict
+        down to the budget."""
         found = []
         now = time.time()
         for entry in os.scandir(self.dir):
@@ -80,7 +81,7 @@ class DiskStore(KVStore):
                 else:
                     _unlink(self.path(key))
 
-    # -- bookkeeping (call with the lock held) ---------------------------------------------------------
+    # -- bookkeeping (call with the lock held) -----------------------------------------------------
     def _evict_locked(self, keys: list[str]) -> None:
         for old in keys:
             _unlink(self.path(old))

@@ -9,7 +9,8 @@ from kvblend.store.writer import BackgroundWriter
 
 
 def create_tier(name: str, cfg: StoreConfig) -> KVStore:
-    """One backend by name ("memory" | "disk" | "redis"); imports stay lazy (redis is optional at runtime)."""
+    """One backend by name ("memory" | "disk" | "redis"); imports stay lazy (redis is
+    optional at runtime)."""
     if name == "memory":
         from kvblend.store.memory import MemoryStore
 
@@ -33,7 +34,8 @@ def create_tier(name: str, cfg: StoreConfig) -> KVStore:
 
 
 def create_store(cfg: StoreConfig | None = None) -> TieredStore:
-    """Tiers in ``cfg.tiers`` order behind one TieredStore; one background writer if any tier is slow."""
+    """Tiers in ``cfg.tiers`` order behind one TieredStore; one background writer if
+    any tier is slow."""
     cfg = cfg or StoreConfig()
     tiers = [create_tier(name, cfg) for name in cfg.tiers]
     needs_writer = cfg.async_writes and any(name not in INLINE_TIERS for name in cfg.tiers)

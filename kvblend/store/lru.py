@@ -1,4 +1,5 @@
-"""Byte-budgeted LRU bookkeeping shared by the memory and disk tiers (not thread-safe: callers lock)."""
+"""Byte-budgeted LRU bookkeeping shared by the memory and disk tiers (not
+thread-safe: callers lock)."""
 
 from __future__ import annotations
 

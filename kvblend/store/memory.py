@@ -23,7 +23,8 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
 
 
 class MemoryStore(KVStore):
-    """``get`` returns the stored tensors themselves (no copy): callers must treat them as read-only."""
+    """``get`` returns the stored tensors themselves (no copy): callers must treat
+    them as read-only."""
 
     name = "memory"
 

@@ -44,7 +44,8 @@ class KVReader(ABC):
         for out in (k_out, v_out):
             if tuple(out.shape) != shape or out.dtype != self.dtype:  # caller bug: not a read error
                 raise ValueError(
-                    f"layer buffers must be {shape} {self.dtype}, got {tuple(out.shape)} {out.dtype}"
+                    f"layer buffers must be {shape} {self.dtype}, got "
+                    f"{tuple(out.shape)} {out.dtype}"
                 )
         if k_out.device.type == "cpu" and v_out.device.type == "cpu":
             self.read_layer_bytes_into(layer, byte_view(k_out), byte_view(v_out))
@@ -81,7 +82,8 @@ class KVReader(ABC):
 
 
 class TensorReader(KVReader):
-    """Over tensors already in memory: ``read_layer`` returns views (no copy) — treat them as read-only."""
+    """Over tensors already in memory: ``read_layer`` returns views (no copy) — treat
+    them as read-only."""
 
     def __init__(self, kv: ChunkKV):
         self._kv = kv
@@ -156,7 +158,8 @@ class BlobReader(KVReader):
         self._collect(layer, raw)
 
     def on_complete(self, callback: Callable[[list[bytes]], None]) -> None:
-        """Keep each verified layer's raw bytes; after the last layer, call ``callback(parts)`` once.
+        """Keep each verified layer's raw bytes; after the last layer, call
+        ``callback(parts)`` once.
 
         Lets a tiered store promote an entry it is streaming without fetching it a second time.
         """

@@ -1,7 +1,7 @@
 """Redis tier: one string value per chunk (the serializer's blob), shared across processes / hosts.
 
-Cluster friendly: every command touches exactly one key (GET, SET, GETRANGE, STRLEN, EXISTS, UNLINK),
-so keys may live in any slot and no hash tags are needed.
+Cluster friendly: every command touches exactly one key (GET, SET, GETRANGE, STRLEN, EXISTS,
+UNLINK), so keys may live in any slot and no hash tags are needed.
 
 Failure policy: the remote is an optimisation. Any connection error or timeout turns into a miss
 (reads) or a dropped write, logs one warning, counts ``errors`` and opens a circuit: calls are
@@ -104,7 +104,8 @@ class RedisStore(KVStore):
         self._stats.inc("errors")
         if first:
             log.warning(
-                "redis KV store at %s unreachable (%s); serving from local tiers, retrying in %.2fs",
+                "redis KV store at %s unreachable (%s); serving from local tiers, "
+                "retrying in %.2fs",
                 self.url,
                 e,
                 delay,

@@ -40,7 +40,8 @@ if sys.byteorder != "little":  # raw tensor bytes are written in native order
 
 
 class CorruptKVError(Exception):
-    """Bytes that do not decode to the KV they claim to be (bad magic, version, size, checksum, key)."""
+    """Bytes that do not decode to the KV they claim to be (bad magic, version,
+    size, checksum, key)."""
 
 
 def key_tag(key: str) -> bytes:
@@ -93,8 +94,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def _raw(t: torch.Tensor) -> memoryview:
-    """Bytes of ``t``: zero-copy for a contiguous CPU tensor, one transfer for a device tensor (bf16 has
-    no numpy dtype, so go through uint8)."""
+    """Bytes of ``t``: zero-copy for a contiguous CPU tensor, one transfer for a device tensor (bf16
+    has no numpy dtype, so go through uint8)."""
     return memoryview(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
@@ -185,14 +186,15 @@ def copy_layer_into(
 ) -> None:
     """Verify layer ``layer``'s payload bytes, then copy them into k_out / v_out [kv_heads, L, d].
 
-    The outputs may be strided views (e.g. rows [off, off+L) of a [kv_heads, T, d] buffer); nothing is
-    written before the checksum passes. Raises CorruptKVError. Copies go through numpy so no torch
-    tensor ever aliases read-only memory (bytes from redis, mmaps).
+    The outputs may be strided views (e.g. rows [off, off+L) of a [kv_heads, T, d] buffer); nothing
+    is written before the checksum passes. Raises CorruptKVError. Copies go through numpy so no
+    torch tensor ever aliases read-only memory (bytes from redis, mmaps).
     """
     for out in (k_out, v_out):
         if tuple(out.shape) != header.layer_shape or out.dtype != header.dtype:
             raise ValueError(
-                f"layer buffers must be {header.layer_shape} {header.dtype}, got {tuple(out.shape)} {out.dtype}"
+                f"layer buffers must be {header.layer_shape} {header.dtype}, got "
+                f"{tuple(out.shape)} {out.dtype}"
             )
     copy_layer_bytes_into(header, layer, raw, byte_view(k_out), byte_view(v_out))
 
@@ -247,8 +249,8 @@ HEADER_PROBE = (
 def read_header(fetch, key: str | None = None, first: bytes | None = None) -> KVHeader:
     """Fetch and verify just the header through ``fetch(offset, length) -> bytes`` (a range reader).
 
-    ``first``: the blob's first HEADER_PROBE bytes if the caller already has them; deeper models cost
-    a second, exact fetch. Raises CorruptKVError.
+    ``first``: the blob's first HEADER_PROBE bytes if the caller already has them; deeper models
+    cost a second, exact fetch. Raises CorruptKVError.
     """
     if first is None:
         first = fetch(0, HEADER_PROBE)
@@ -262,7 +264,8 @@ def read_header(fetch, key: str | None = None, first: bytes | None = None) -> KV
 
 
 def assemble(header: KVHeader, parts: list[bytes]) -> ChunkKV:
-    """ChunkKV [layers, kv_heads, L, d] from every layer's payload (as a layerwise reader fetched them)."""
+    """ChunkKV [layers, kv_heads, L, d] from every layer's payload (as a layerwise
+    reader fetched them)."""
     k = torch.empty((header.num_layers, *header.layer_shape), dtype=header.dtype)
     v = torch.empty_like(k)
     for layer, raw in enumerate(parts):

@@ -8,7 +8,8 @@ COUNTERS = ("hits", "misses", "writes", "evictions", "corrupt", "errors")
 
 
 class TierStats:
-    """Thread-safe monotonically increasing counters (hits, misses, writes, evictions, corrupt, errors)."""
+    """Thread-safe monotonically increasing counters (hits, misses, writes, evictions,
+    corrupt, errors)."""
 
     def __init__(self):
         self._lock = threading.Lock()

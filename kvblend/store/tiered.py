@@ -1,7 +1,9 @@
-"""Tiers in lookup order (memory -> disk -> redis): a hit in a later tier is promoted into the earlier ones.
+"""Tiers in lookup order (memory -> disk -> redis): a hit in a later tier is promoted
+into the earlier ones.
 
-Writes go to every tier; the memory tier is written inline (it is a dict insert), slower tiers through
-the shared BackgroundWriter so a request never waits on a disk fsync or a network round trip.
+Writes go to every tier; the memory tier is written inline (it is a dict insert),
+slower tiers through the shared BackgroundWriter so a request never waits on a disk
+fsync or a network round trip.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ class TieredStore(KVStore):
 
     def open(self, key: str) -> KVReader | None:
         """Reader from the first tier holding ``key``. A streamed hit from a lower tier is promoted
-        once the reader has delivered every layer, from the bytes it already fetched (no refetch)."""
+        once the reader has delivered every layer, from the bytes it already
+        fetched (no refetch)."""
         for i, t in enumerate(self.tiers):
             reader = t.open(key)
             if reader is None:
@@ -83,7 +86,8 @@ class TieredStore(KVStore):
     def _promote_parts(
         self, key: str, header: KVHeader, parts: list[bytes], tiers: Sequence[KVStore]
     ) -> None:
-        # Runs on the loader thread: hand the decode + writes to the writer so loading is not delayed.
+        # Runs on the loader thread: hand the decode + writes to the writer so
+        # loading is not delayed.
         nbytes = sum(len(p) for p in parts)
         self._run(lambda: self._write_all(key, assemble(header, parts), tiers), nbytes)
 

@@ -31,7 +31,8 @@ class BackgroundWriter:
         self._thread.start()
 
     def submit(self, job: Callable[[], None], nbytes: int = 0) -> bool:
-        """Queue ``job``; False (and counted as dropped) if closed or over the pending-bytes bound."""
+        """Queue ``job``; False (and counted as dropped) if closed or over the
+        pending-bytes bound."""
         with self._lock:
             if self._closed or (
                 self._pending_jobs and self._pending_bytes + nbytes > self.max_pending_bytes
