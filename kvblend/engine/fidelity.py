@@ -1,14 +1,16 @@
-"""A fidelity target instead of a ratio: pick the blend setting that keeps first-token agreement with
-full prefill at or above a target, from a calibration run and from shadow full prefills of live requests.
+"""A fidelity target instead of a ratio: pick the blend setting that keeps first-token agreement
+with full prefill at or above a target, from a calibration run and from shadow full prefills of
+live requests.
 
-`kvblend calibrate` measures, per model and dtype, first-token agreement / KL / paired TTFT speed-up of
-each (selection, ratio) against full prefill and writes them next to the model's weights cache
-(``calibration_path``). For a target, ``FidelityController.choose`` takes the fastest measured setting
-whose agreement meets it at a one-sided 90% Wilson lower bound (``agreement_lower_bound``; so a
-setting needs enough prompts to resolve the target, ``prompts_needed``); where none does (or nothing is calibrated), full prefill: the target is then
-met by construction, and the request's stats say so (``source``). Shadow full prefills of sampled live
-requests (run when the engine is idle) add their outcome to the setting's count, so a setting whose
-live agreement drifts under the target stops being chosen.
+`kvblend calibrate` measures, per model and dtype, first-token agreement / KL / paired TTFT
+speed-up of each (selection, ratio) against full prefill and writes them next to the model's
+weights cache (``calibration_path``). For a target, ``FidelityController.choose`` takes the
+fastest measured setting whose agreement meets it at a one-sided 90% Wilson lower bound
+(``agreement_lower_bound``; a setting needs enough prompts to resolve the target,
+``prompts_needed``); where none does (or nothing is calibrated), full prefill: the target is then
+met by construction, and the request's stats say so (``source``). Shadow full prefills of sampled
+live requests (run when the engine is idle) add their outcome to the setting's count, so a setting
+whose live agreement drifts under the target stops being chosen.
 """
 
 from __future__ import annotations
@@ -24,18 +26,15 @@ from kvblend.config import validate_fidelity  # noqa: F401  (re-exported for cal
 
 CALIBRATION_VERSION = 1
 
-# selection "auto": (selection, ratio) per model family (HF model_type), where a request names no ratio.
-# llama (SmolLM2-135M, 40 MuSiQue prompts, bf16): lookahead@0.1 4.17x paired / 92.5% agreement / KL 0.054
-# against deviation@0.15 4.15x / 85% / 0.178: as fast, a third of the KL. qwen2 stays on the paper's
-# setting: lookahead had the lower KL on 12 MuSiQue prompts (0.46 against 0.64 at 0.15), deviation on 3
-# HotpotQA prompts (0.08 against 0.14): no single winner measured (docs/FIDELITY.md).
+# selection "auto": (selection, ratio) per model family (HF model_type), where a request names no
+# ratio: each family's measured best at the paper's speed (docs/FIDELITY.md has the runs).
 FAMILY_DEFAULTS: dict[str, tuple[str, float]] = {"llama": ("lookahead", 0.1)}
 AUTO_FALLBACK = ("deviation", 0.15)  # families never measured: the paper's setting
 
 
 def calibration_path(cache_dir: Path, model_dir: Path, dtype: str) -> Path:
-    """``<cache_dir>/calibration/<weights dir name>-<dtype>.json``: beside the converted weights cache
-    (``<cache_dir>/models/<name>``), keyed by dtype too (bf16 and fp32 blends differ)."""
+    """``<cache_dir>/calibration/<weights dir name>-<dtype>.json``: beside the converted weights
+    cache (``<cache_dir>/models/<name>``), keyed by dtype too (bf16 and fp32 blends differ)."""
     return Path(cache_dir) / "calibration" / f"{Path(model_dir).name}-{dtype}.json"
 
 
@@ -73,7 +72,7 @@ class Calibration:
 
     @classmethod
     def load(cls, path: Path) -> "Calibration | None":
-        """The calibration at ``path``, or None if absent or unreadable (then nothing is calibrated)."""
+        """The calibration at ``path``, or None if absent or unreadable (nothing calibrated)."""
         try:
             raw = json.loads(Path(path).read_text())
             if raw.get("version") != CALIBRATION_VERSION:
@@ -116,7 +115,7 @@ def agreement_lower_bound(agreement: float, n: int, z: float = CONFIDENCE_Z) -> 
 
 def prompts_needed(target: float, z: float = CONFIDENCE_Z) -> int:
     """Fewest prompts on which a setting agreeing on every one reaches ``target`` at the lower bound
-    (n / (n + z^2) >= target): 15 for 0.9, 32 for 0.95. A target of 1.0 is never served by a blend."""
+    (n / (n + z^2) >= target): 15 for 0.9, 32 for 0.95. A blend never serves a target of 1.0."""
     if target >= 1.0:
         return 1 << 30
     return math.ceil(z * z * target / (1.0 - target) - 1e-9)
@@ -129,8 +128,9 @@ class _Tally:
 
 
 class FidelityController:
-    """Chooses settings for fidelity targets and keeps the live agreement per setting. Thread-safe: the
-    engine's worker records shadow outcomes while the server reads ``agreement`` for /metrics."""
+    """Chooses settings for fidelity targets and keeps the live agreement per setting.
+    Thread-safe: the engine's worker records shadow outcomes while the server reads ``agreement``
+    for /metrics."""
 
     def __init__(self, calibration: Calibration | None):
         self.calibration = calibration
