@@ -15,6 +15,7 @@ ENGINE_MODULES = {
     "test_profile_prefill",
     "test_buffers",
     "test_bench_engine",
+    "test_strategies",
 }
 
 
