@@ -130,10 +130,11 @@ class BlendConfig:
     check_layers: tuple[int, ...] = ()
     check_ratios: tuple[float, ...] = ()  # empty: every check layer uses recompute_ratio
     deviation: str = "v"
-    # "deviation": the tokens whose fresh KV deviates most from the cached (CacheBlend). "query": the
-    # tokens the query rows attend to most at the check layer (query-aware, as in A3, arXiv 2511.17560).
-    # "lookahead": the tokens the query attends to most over all layers of a reuse pass run first; they
-    # are recomputed from layer 0 (no check layer).
+    # "deviation": the tokens whose fresh KV deviates most from the cached (CacheBlend). "query"
+    # (experimental: lookahead dominates it): the tokens the query rows attend to most at the check
+    # layer (query-aware, as in A3, arXiv 2511.17560). "lookahead": the tokens the query attends to
+    # most over all layers of a reuse pass run first; they are recomputed from layer 0 (no check
+    # layer). Each is a strategy in kvblend/blend/strategies.py.
     selection: str = "deviation"
     # How many layers (from layer 0) lookahead's reuse pass runs and sums the query's attention over;
     # 0 = every layer. Fewer layers make the pass cheaper and the ranking coarser (CHANGELOG.md: "Token

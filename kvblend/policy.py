@@ -21,10 +21,11 @@ class Mode(StrEnum):
 
 
 class Selection(StrEnum):
-    """Which chunk tokens `blend` recomputes (kvblend/blend/selection.py)."""
+    """Which chunk tokens `blend` recomputes: each kind but auto is a strategy registered in
+    kvblend/blend/strategies.py."""
 
     DEVIATION = "deviation"  # the paper's: fresh vs cached KV at a check layer
-    QUERY = "query"  # the query's attention at the check layer
+    QUERY = "query"  # the query's attention at the check layer (experimental: lookahead dominates)
     LOOKAHEAD = "lookahead"  # the query's attention over a reuse pass run first
     AUTO = "auto"  # the model family's measured best (kvblend/engine/fidelity.py FAMILY_DEFAULTS)
 

@@ -47,6 +47,7 @@ from kvblend.bench.data import load_examples  # noqa: E402
 from kvblend.bench.engine_bench import bench_segments, first_token_kl  # noqa: E402
 from kvblend.blend import blender  # noqa: E402
 from kvblend.blend.selection import num_to_keep, select_top_tokens  # noqa: E402
+from kvblend.blend.strategies import QuerySelection  # noqa: E402
 from kvblend.config import EngineConfig, ModelConfig  # noqa: E402
 from kvblend.engine.engine import create_engine  # noqa: E402
 from kvblend.store.memory import MemoryStore  # noqa: E402
@@ -146,7 +147,9 @@ def extra_logits(
     if variant == "wide":
         wide = rows[select_top_tokens(reuse_attn, min(rows.numel(), 2 * num_keep))]
         middle = p.ops.num_layers // 2
-        return p.blend(wide, check_layers=(middle,), check_keep=(num_keep,), selection="query")
+        return p.blend(
+            wide, check_layers=(middle,), check_keep=(num_keep,), selection=QuerySelection()
+        )
     raise ValueError(variant)
 
 

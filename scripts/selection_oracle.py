@@ -43,6 +43,7 @@ from kvblend.bench.data import DEFAULT_MUSIQUE, load_musique  # noqa: E402
 from kvblend.bench.engine_bench import bench_segments, first_token_kl  # noqa: E402
 from kvblend.blend.blender import KVCache, PrefillPlan, run_prefill  # noqa: E402
 from kvblend.blend.selection import num_to_keep, select_top_tokens  # noqa: E402
+from kvblend.blend.strategies import DeviationSelection  # noqa: E402
 from kvblend.config import EngineConfig, ModelConfig  # noqa: E402
 from kvblend.engine.engine import create_engine  # noqa: E402
 from kvblend.policy import parse_selection  # noqa: E402
@@ -149,14 +150,14 @@ def variant_logits(p: Prompt, variant: str, num_keep: int, rng: torch.Generator)
     rows = p.chunk_rows
     if variant == "deviation":
         return p.blend(
-            rows, check_layers=(1,), check_keep=(num_keep,)
+            rows, check_layers=(1,), check_keep=(num_keep,), selection=DeviationSelection("v")
         )  # every chunk row until the check
     if variant == "attn":
         return p.blend(
             rows,
             check_layers=(0,),
             check_keep=(num_keep,),
-            deviation="attn",
+            selection=DeviationSelection("attn"),
             chunk_spans=p.chunk_spans,
             prefix_len=p.prefix_len,
         )

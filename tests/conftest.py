@@ -17,6 +17,7 @@ ENGINE_MODULES = {
     "test_profile_prefill",
     "test_buffers",
     "test_bench_engine",
+    "test_strategies",
 }
 
 

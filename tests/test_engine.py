@@ -27,6 +27,7 @@ from helpers import (
 from kvblend.blend.blender import KVCache, PrefillPlan, create_attention, row_blocks, run_prefill
 from kvblend.blend.rope import apply_rope, unapply_rope
 from kvblend.blend.selection import num_to_keep
+from kvblend.blend.strategies import DeviationSelection
 from kvblend.config import SELECTION_KINDS, BlendConfig, EngineConfig, ModelConfig
 from kvblend.engine.engine import ContextLengthError, create_engine
 from kvblend.engine.kv_loader import LayerwiseLoader
@@ -229,7 +230,7 @@ def test_rows_computed_everywhere_still_wait_for_a_lagging_loader(tmp_path):
             torch.arange(T),
             check_layers=(1,),
             check_keep=(T,),
-            deviation="v",
+            selection=DeviationSelection("v"),
             wait_layer=loader.wait_layer,
         )
         out = run_prefill(ops, plan, cache)
@@ -412,7 +413,7 @@ def test_attention_check_keeps_the_rows_the_other_chunks_move_most():
         torch.arange(T),
         check_layers=(0,),
         check_keep=(num_keep,),
-        deviation="attn",
+        selection=DeviationSelection("attn"),
         chunk_spans=tuple(spans),
         prefix_len=P,
     )
@@ -725,6 +726,7 @@ def test_lookahead_recomputes_the_rows_a_reuse_pass_finds_most_attended(
     BlendConfig.lookahead_layers, which a request may override), then a blend recomputing from
     layer 0 the chunk rows that attention ranks highest (and the query); accounting counts
     them as recomputed."""
+    import kvblend.blend.strategies as strategies_module
     import kvblend.engine.engine as engine_module
 
     engine = embedded_engine("float32")
@@ -742,6 +744,8 @@ def test_lookahead_recomputes_the_rows_a_reuse_pass_finds_most_attended(
         return outputs[-1]
 
     monkeypatch.setattr(engine_module, "run_prefill", recording_prefill)
+    # the reuse pass runs in LookaheadSelection.prepare
+    monkeypatch.setattr(strategies_module, "run_prefill", recording_prefill)
     _first(engine, segs, "reuse")  # stores the prefix: the reuse pass computes exactly the query
     plans.clear(), outputs.clear()
     with no_blended_prefix(engine):

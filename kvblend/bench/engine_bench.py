@@ -165,18 +165,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--deviation",
         default=BlendConfig.deviation,
         choices=list(DEVIATION_KINDS),
-        help="what the deviation selection compares: fresh vs cached values, keys or both at the "
-        "check layer, or attn: a row's attention output over every key vs over its own chunk and "
-        f"the prefix (default {BlendConfig.deviation})",
+        help="what the deviation selection compares: v, fresh vs cached values at the "
+        "check layer, or attn: a row's attention output over every key vs over its own "
+        "chunk and the prefix; experimental, dominated by v: k (keys), kv (both) "
+        f"(default {BlendConfig.deviation})",
     )
     p.add_argument(
         "--selection",
         default="deviation",
-        help="comma-separated token selections to run at every ratio, in one run against the same "
-        "full prefill: deviation (default; CacheBlend: largest KV deviation at the check layer), "
-        "query (most attention from the query rows there), lookahead (most attention from the "
-        "query over all layers of a reuse pass run first; lookahead:N over its first N layers); "
-        "rows blend@R, blend@R/query, blend@R/lookahead, blend@R/lookahead:N",
+        help="comma-separated token selections to run at every ratio, in one run against the "
+        "same full prefill: deviation (default; CacheBlend: largest KV deviation at the "
+        "check layer), lookahead (most attention from the query over all layers of a reuse "
+        "pass run first; lookahead:N over its first N layers), experimental query (most "
+        "attention from the query rows at the check layer; dominated by lookahead); rows "
+        "blend@R, blend@R/lookahead, blend@R/lookahead:N, blend@R/query",
     )
     p.add_argument(
         "--policies",

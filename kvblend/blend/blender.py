@@ -7,9 +7,10 @@ shrink the computed set to the rows whose KV deviates most. The modes are just p
     prefix  stored rows = the longest cached run of whole segments from the start (exact KV), rest computed
     reuse   stored rows = prefix + chunks, only uncached rows (the query) computed
     blend   stored rows = prefix + chunks; chunks + query computed until the check layer(s), then only
-            the selected chunk rows (top KV deviation, top attention-output deviation, after the check
-            layer's attention, or top query attention) + query; with the lookahead
-            selection the engine ranks the rows by a reuse pass first and runs a plan with no check layer
+            the chunk rows the plan's selection strategy keeps (kvblend/blend/strategies.py:
+            top KV deviation, top attention-output deviation after the check layer's attention,
+            or top query attention) + query; lookahead's ``prepare`` ranks the rows by a reuse
+            pass first and returns a plan with no check layer
 
 Rows that are not computed at a layer use their stored pre-RoPE K (rotated to their new absolute
 position) and V at that layer. Rows computed at a layer overwrite the stored rows with fresh K/V.
@@ -20,18 +21,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
+from typing import Protocol
 
 import torch
 
 from kvblend.blend.buffers import BufferPool, typed_view
 from kvblend.blend.rope import apply_rope, halves_repeat
-from kvblend.blend.selection import (
-    attention_deviation,
-    causal_mask,
-    query_attention,
-    select_top_tokens,
-    token_deviation,
-)
+from kvblend.blend.selection import causal_mask, query_attention
 from kvblend.models.transformer import TransformerOps
 
 
@@ -84,6 +80,28 @@ class KVCache:
         self.k, self.v, self.length = empty, empty, 0
 
 
+class RowSelection(Protocol):
+    """What the layer loop asks of a plan's token selection at a check layer. The strategies
+    (kvblend/blend/strategies.py) implement it; this module does not import them, so they can run
+    the layer loop themselves (lookahead's reuse pass)."""
+
+    @property
+    def after_attention(self) -> bool:
+        """Check after the layer's attention (``check_attention``), not at its projections."""
+        ...
+
+    def check_qkv(self, ops, plan, layer, h, active, k_layer, v_layer, num_keep):
+        """-> (q [Hq, K, d] pre-RoPE, kept local indices [K], kept hidden rows [K + pad, D]);
+        writes the active rows' fresh K/V into k_layer / v_layer [Hkv, T, d]."""
+        ...
+
+    def check_attention(
+        self, ops, plan, layer, attention, q, active, k_layer, v_layer, k_cache, num_keep
+    ):
+        """-> (kept local indices [K], their attention [K + pad, Hq * d])."""
+        ...
+
+
 @dataclass
 class PrefillPlan:
     """The only thing that crosses from the engine's planning to the layer loop.
@@ -101,8 +119,8 @@ class PrefillPlan:
     _: KW_ONLY  # the rest by name: several share a type, and a shifted positional would still run
     check_layers: tuple[int, ...] = ()
     check_keep: tuple[int, ...] = ()
-    deviation: str = "v"
-    selection: str = "deviation"  # "query": ranked by the query's attention at the check layer
+    # Which rows a check layer keeps (a SelectionStrategy); needed only with check layers.
+    selection: RowSelection | None = None
     # For deviation "attn": [start, end) rows of each stored chunk (the candidates), and how many leading
     # rows (the prompt's prefix) a chunk's local attention also sees, as it saw its cached context.
     chunk_spans: tuple[tuple[int, int], ...] = ()
@@ -156,7 +174,7 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
     token_ids = plan.token_ids.to(
         ops.device
     )  # indexed by active rows, which live on the model's device
-    h = _pad_rows(ops.embed(token_ids[active]))  # [A + pad, D]; rows past A are zeros, never read
+    h = pad_rows(ops.embed(token_ids[active]))  # [A + pad, D]; rows past A are zeros, never read
     recomputed = active[plan.is_stored(active)].cpu()  # narrowed at check layers
     recorder = QueryAttentionRecorder(ops, T) if plan.record_query_attention else None
     for layer in range(num_layers):
@@ -164,12 +182,11 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
             # Also when every row is computed (blend@1 after the check layer): fresh rows overwrite
             # stored ones in these buffers, so the loader must be done with the layer first.
             plan.wait_layer(layer)
-        # An "attn" check narrows the rows after this layer's attention; a KV check before it.
-        attention_check = layer in checks and plan.deviation == "attn" and plan.selection != "query"
-        if (
-            layer in checks and not attention_check
-        ):  # shrink to the selected rows from this layer's attention on
-            q, keep, h = _check_layer_qkv(
+        # A check narrows the rows at the layer's projections, or after its attention where the
+        # strategy ranks by attention output (deviation "attn").
+        attention_check = layer in checks and plan.selection.after_attention
+        if layer in checks and not attention_check:  # the kept rows only, from this layer on
+            q, keep, h = plan.selection.check_qkv(
                 ops, plan, layer, h, active, k_pre[layer], v_all[layer], checks[layer]
             )
             active = active[keep]
@@ -183,7 +200,7 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
             last = active.numel() - 1
             q, h, active = q[:, last:], h[last : last + 1], active[last:]
         if attention_check:  # o_proj and the MLP run for the kept rows only
-            keep, attn = _attention_check(
+            keep, attn = plan.selection.check_attention(
                 ops,
                 plan,
                 layer,
@@ -195,7 +212,7 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
                 cache.k[layer, :, :T],
                 checks[layer],
             )
-            active, h = active[keep], _pad_rows(h[keep])
+            active, h = active[keep], pad_rows(h[keep])
             recomputed = active[plan.is_stored(active)].cpu()
         else:
             # [A, Hq * d]; the native kernel returns it with h's zero pad rows, ready for o_proj. A kernel
@@ -217,7 +234,7 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
                 recorder is not None and key_mass is None
             ):  # the call has just rotated the keys into the cache
                 recorder.add(q, cache.k[layer, :, :T], active)
-        h = ops.finish_layer(layer, h, _pad_rows(attn, h.shape[0]))
+        h = ops.finish_layer(layer, h, pad_rows(attn, h.shape[0]))
     cache.length = T
     last_logits = (
         ops.logits(h[active.numel() - 1 : active.numel()])[0]
@@ -230,6 +247,11 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
 
 
 def _layers_to_run(ops: TransformerOps, plan: PrefillPlan) -> int:
+    if plan.check_layers and plan.selection is None:
+        raise ValueError(
+            "a plan with check layers needs a selection (kvblend/blend/strategies.py "
+            "create_selection)"
+        )
     if plan.record_query_attention and plan.check_layers:
         raise ValueError(
             "record_query_attention is for plans without check layers (lookahead's reuse pass)"
@@ -273,7 +295,7 @@ class QueryAttentionRecorder:
         self.total += query_attention(q_rot, keys, active, self.ops.scaling)
 
 
-def _pad_rows(x: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
+def pad_rows(x: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
     """x [A, D] with zero rows appended up to ``num_rows`` (default: A rounded up to ROW_ALIGN)."""
     if num_rows is None:
         num_rows = -(-x.shape[0] // ROW_ALIGN) * ROW_ALIGN
@@ -539,203 +561,7 @@ def _first_layer_qkv(
         return _project_rows(ops, 0, h, active, k_layer, v_layer)
     (q,) = ops.qkv(0, h, "q")
     if fresh.numel():
-        k, v = (t[:, : fresh.numel()] for t in ops.qkv(0, _pad_rows(h[fresh]), "kv"))
+        k, v = (t[:, : fresh.numel()] for t in ops.qkv(0, pad_rows(h[fresh]), "kv"))
         ops.write_rows(k_layer, k, active[fresh])
         ops.write_rows(v_layer, v, active[fresh])
     return q[:, :num_rows]
-
-
-def _check_layer_qkv(
-    ops: TransformerOps,
-    plan: PrefillPlan,
-    layer: int,
-    h: torch.Tensor,
-    active: torch.Tensor,
-    k_layer: torch.Tensor,
-    v_layer: torch.Tensor,
-    num_keep: int,
-):
-    """A check layer: writes fresh K/V of the active rows and returns (q [Hq, K, d] of the rows kept from
-    here on, their local indices into ``active`` [K], their hidden rows [K + pad, D]). With the value
-    deviation (the default) only V is projected for every row, Q and K only for the kept ones (~15%):
-    dropped rows keep their stored K at this layer, as at every later one."""
-    num_rows = active.numel()
-    is_stored = plan.is_stored(active)  # [A] bool
-    if plan.selection == "query" and not bool(is_stored.all()):
-        return _query_check_qkv(ops, layer, h, active, is_stored, k_layer, v_layer, num_keep)
-    if plan.deviation == "v":
-        (v,) = ops.qkv(layer, h, "v")
-        v = v[:, :num_rows]
-        keep = _check_rows(plan, active, is_stored, None, v, k_layer, v_layer, num_keep)
-        ops.write_rows(v_layer, v, active)
-        h = _pad_rows(h[keep])
-        q, k = (t[:, : keep.numel()] for t in ops.qkv(layer, h, "qk"))
-        ops.write_rows(k_layer, k, active[keep])
-        return q, keep, h
-    q, k, v = (t[:, :num_rows] for t in ops.qkv(layer, h))
-    keep = _check_rows(plan, active, is_stored, k, v, k_layer, v_layer, num_keep)
-    ops.write_rows(k_layer, k, active)
-    ops.write_rows(v_layer, v, active)
-    # rows gathered in q_proj's own [A, Hq, d] layout, so grouping them stays a view
-    return q.transpose(0, 1)[keep].transpose(0, 1), keep, _pad_rows(h[keep])
-
-
-def _query_check_qkv(
-    ops: TransformerOps,
-    layer: int,
-    h: torch.Tensor,
-    active: torch.Tensor,
-    is_stored: torch.Tensor,
-    k_layer: torch.Tensor,
-    v_layer: torch.Tensor,
-    num_keep: int,
-):
-    """``_check_layer_qkv`` with query-aware selection: fresh K/V of every active row are written, then
-    the query rows (the unstored active rows) attend over every key of this layer; the ``num_keep``
-    stored rows they attend to most stay computed. Q is projected for the query rows, then for the
-    kept ones."""
-    T, num_rows = k_layer.shape[1], active.numel()
-    k, v = (t[:, :num_rows] for t in ops.qkv(layer, h, "kv"))
-    ops.write_rows(k_layer, k, active)
-    ops.write_rows(v_layer, v, active)
-    query = (~is_stored).nonzero().flatten()  # local indices of the query rows
-    (q_query,) = ops.qkv(layer, _pad_rows(h[query]), "q")
-    recorder = QueryAttentionRecorder(ops, T)
-    keys = apply_rope(k_layer, *recorder.cos_sin)  # [Hkv, T, d]: every row at its absolute position
-    recorder.add(q_query[:, : query.numel()], keys, active[query])
-    received = recorder.total  # [T]
-    cand = is_stored.nonzero().flatten()
-    keep = _kept_rows(is_stored, cand, received[active[cand]], num_keep)
-    h = _pad_rows(h[keep])
-    (q,) = ops.qkv(layer, h, "q")
-    return q[:, : keep.numel()], keep, h
-
-
-def _attention_check(
-    ops: TransformerOps,
-    plan: PrefillPlan,
-    layer: int,
-    attention,
-    q: torch.Tensor,
-    active: torch.Tensor,
-    k_layer: torch.Tensor,
-    v_layer: torch.Tensor,
-    k_cache: torch.Tensor,
-    num_keep: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """An "attn" check layer: (local indices of the rows kept [K], their attention [K + pad, Hq * d]).
-
-    The rows are ranked by one query head of each KV group (``attention.head_subsets``: the native kernel
-    attends any subset of heads): every row's attention over every key is the costly part of the check,
-    and a third of SmolLM2's heads rank the rows (CHANGELOG.md: "Attention-output deviation, measured"). The kept
-    rows then attend with every head. q [Hq, A, d] pre-RoPE."""
-    check_q = q
-    if attention.head_subsets:  # [Hkv, A, d], each row's heads dense, as the kernel reads
-        check_q = q[:: ops.group_size].transpose(0, 1).contiguous().transpose(0, 1)
-    check_attn = attention(layer, check_q, k_layer, v_layer, k_cache, active)  # [A, Hc * d]
-    keep = _attention_check_rows(
-        ops, plan, layer, check_q, check_attn, active, k_layer, v_layer, num_keep
-    )
-    if check_q is q:
-        return keep, check_attn[keep]
-    kept_q = q.transpose(0, 1)[keep].transpose(0, 1)  # gathered in q_proj's own [A, Hq, d] layout
-    num_out_rows = (
-        -(-keep.numel() // ROW_ALIGN) * ROW_ALIGN
-    )  # as _pad_rows pads the kept hidden rows
-    return keep, attention(layer, kept_q, k_layer, v_layer, k_cache, active[keep], num_out_rows)
-
-
-def _attention_check_rows(
-    ops: TransformerOps,
-    plan: PrefillPlan,
-    layer: int,
-    q: torch.Tensor,
-    attn: torch.Tensor,
-    active: torch.Tensor,
-    k_layer: torch.Tensor,
-    v_layer: torch.Tensor,
-    num_keep: int,
-) -> torch.Tensor:
-    """Local indices (into ``active``) that stay computed after an "attn" check layer: unstored rows, and
-    the ``num_keep`` stored rows whose attention output ``attn`` [A, Hq * d] (over every key) differs most
-    from their attention over their own chunk and the prefix. q [Hq, A, d] pre-RoPE; k_layer, v_layer
-    [Hkv, T, d] pre-RoPE K and V of this layer."""
-    is_stored = plan.is_stored(active)  # [A] bool
-    cand = is_stored.nonzero().flatten()  # local indices of stored rows
-    if num_keep >= cand.numel():
-        return torch.arange(active.numel(), device=active.device)
-    q_cand = q.transpose(0, 1)[cand].transpose(0, 1)  # gathered in q_proj's own [A, Hq, d] layout
-    local = _local_attention(ops, plan, layer, q_cand, active[cand], k_layer, v_layer)
-    return _kept_rows(is_stored, cand, attention_deviation(attn[cand], local), num_keep)
-
-
-def _local_attention(
-    ops: TransformerOps,
-    plan: PrefillPlan,
-    layer: int,
-    q: torch.Tensor,
-    rows: torch.Tensor,
-    k_layer: torch.Tensor,
-    v_layer: torch.Tensor,
-) -> torch.Tensor:
-    """Attention of stored chunk ``rows`` [C] (ascending; q [H, C, d] pre-RoPE, every query head or the
-    check's subset) over the prompt's prefix and their own chunk only -> [C, H * d]. Each chunk goes right after the prefix, as it was cached, so
-    its keys keep their distances to each other (RoPE sees nothing else). About a tenth of the full
-    attention's work for ten chunks."""
-    prefix = plan.prefix_len
-    out = torch.empty(rows.numel(), q.shape[0] * ops.head_dim, dtype=q.dtype, device=q.device)
-    bounds = torch.tensor([b for span in plan.chunk_spans for b in span], device=rows.device)
-    cuts = torch.searchsorted(rows, bounds).tolist()  # [lo, hi) of each span's rows in ``rows``
-    covered = 0
-    for (start, end), lo, hi in zip(plan.chunk_spans, cuts[0::2], cuts[1::2]):
-        if hi == lo:
-            continue
-        keys = torch.cat([k_layer[:, :prefix], k_layer[:, start:end]], dim=1)  # [Hkv, P + L, d]
-        values = torch.cat([v_layer[:, :prefix], v_layer[:, start:end]], dim=1)
-        attention = create_attention(ops, keys.shape[1])
-        out[lo:hi] = attention(
-            layer, q[:, lo:hi], keys, values, torch.empty_like(keys), rows[lo:hi] - start + prefix
-        )
-        covered += hi - lo
-    if covered != rows.numel():
-        raise ValueError(
-            f"deviation 'attn' needs every candidate row in the plan's chunk_spans "
-            f"({rows.numel() - covered} of {rows.numel()} are not)"
-        )
-    return out
-
-
-def _check_rows(
-    plan: PrefillPlan,
-    active: torch.Tensor,
-    is_stored: torch.Tensor,
-    k: torch.Tensor | None,
-    v: torch.Tensor,
-    stored_k_layer: torch.Tensor,
-    stored_v_layer: torch.Tensor,
-    num_keep: int,
-) -> torch.Tensor:
-    """Local indices (into ``active``) that stay computed after this check layer.
-
-    Unstored active rows (query, fresh segments) always stay; among stored active rows the ``num_keep``
-    with the largest fresh-vs-stored deviation stay. is_stored: [A] bool, ``plan.is_stored(active)``.
-    """
-    cand = is_stored.nonzero().flatten()  # local indices of stored rows
-    rows = active[cand]
-    if k is None:  # the value deviation: keys are not compared
-        dev = token_deviation(None, v[:, cand], None, stored_v_layer[:, rows], plan.deviation)
-    else:
-        dev = token_deviation(
-            k[:, cand], v[:, cand], stored_k_layer[:, rows], stored_v_layer[:, rows], plan.deviation
-        )
-    return _kept_rows(is_stored, cand, dev, num_keep)
-
-
-def _kept_rows(
-    is_stored: torch.Tensor, cand: torch.Tensor, scores: torch.Tensor, num_keep: int
-) -> torch.Tensor:
-    """The rule every check shares: local indices (sorted) of the rows that stay computed, i.e. every
-    unstored row and the ``num_keep`` candidates with the largest ``scores``. is_stored [A] bool;
-    cand [C] its True indices; scores [C]."""
-    chosen = cand[select_top_tokens(scores, num_keep)]
-    return torch.cat([(~is_stored).nonzero().flatten(), chosen]).sort().values

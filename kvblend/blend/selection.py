@@ -9,8 +9,10 @@ cached KV from here on):
                other chunks (measurable at layer 0, before its MLP)
     query      rows the query attends to most at the check layer: their errors are the ones the answer
                reads (query-aware selection, as in A3, arXiv 2511.17560)
-    lookahead  rows the query attends to most summed over every layer of a reuse pass run first (the
-               engine runs that pass; ``query_attention`` scores each layer)
+    lookahead  rows the query attends to most summed over every layer of a reuse pass run first
+               (``LookaheadSelection.prepare`` runs that pass; ``query_attention`` scores each layer)
+
+The strategies that apply these at check layers are in kvblend/blend/strategies.py.
 """
 
 from __future__ import annotations

@@ -38,9 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--selection",
         default=None,
         type=_selection,
-        help="which chunk tokens blend recomputes: deviation (largest KV deviation at the check layer), "
-        "query (most attended by the query there) or lookahead (most attended by the query over "
-        "all layers of a reuse pass run first; lookahead:N over its first N); default: the engine's",
+        help="which chunk tokens blend recomputes: deviation (largest KV deviation at the check layer) "
+        "or lookahead (most attended by the query over all layers of a reuse pass run first; "
+        "lookahead:N over its first N); experimental, dominated by lookahead: query (most attended "
+        "by the query at the check layer); default: the engine's",
     )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)

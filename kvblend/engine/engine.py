@@ -27,7 +27,8 @@ from kvblend.blend.segmenter import (
     encode,
     render_template_halves,
 )
-from kvblend.blend.selection import num_to_keep, select_top_tokens
+from kvblend.blend.selection import num_to_keep
+from kvblend.blend.strategies import create_selection
 from kvblend.config import EngineConfig, validate_fidelity
 from kvblend.engine.fidelity import (
     AUTO_FALLBACK,
@@ -363,7 +364,7 @@ class Engine:
         """Plan, run the layer loop (once more if stored KV fails mid-read), sample the first token.
         k_work [L, Hkv, T, d]: pre-RoPE K of the prompt rows, stored rows loaded into it."""
         segs, num_tokens = request.segments, request.segments.num_tokens
-        mode, ratio, selection = choice.mode, choice.ratio, choice.selection
+        mode, ratio = choice.mode, choice.ratio
         bad: set[str] = set()  # failed mid-read: recomputed alone, then used exactly as a hit
         while True:
             stats = PrefillStats(
@@ -379,8 +380,7 @@ class Engine:
             )
             t_loaded = time.perf_counter()
             try:
-                if selection == "lookahead" and plan.check_layers:
-                    plan = self._lookahead(plan, cache, choice.lookahead_layers)
+                plan = plan.selection.prepare(self.ops, plan, cache)  # lookahead's reuse pass
                 out = run_prefill(self.ops, plan, cache)
                 break
             except KVReadError as e:  # an entry went bad mid-read: plan again without it
@@ -431,7 +431,7 @@ class Engine:
         Returns (plan, stored segments, [(prefix key, row start, row end)] to store after the
         prefill, the loader filling the plan's stored rows layer by layer or None). Keys in ``bad``
         failed an earlier attempt: they are misses, and such chunks are computed alone now."""
-        mode, ratio, selection = choice.mode, choice.ratio, choice.selection
+        mode, ratio = choice.mode, choice.ratio
         ids = torch.tensor(segs.token_ids, dtype=torch.long)
         num_tokens = ids.numel()
         stats.chunks_total = len(segs.chunk_ids)
@@ -478,49 +478,12 @@ class Engine:
             active,
             check_layers=layers,
             check_keep=keep,
-            deviation=self.config.blend.deviation,
-            selection=selection,
+            selection=create_selection(choice, deviation=self.config.blend.deviation),
             chunk_spans=spans,
             prefix_len=len(segs.prefix_ids),
             wait_layer=loader.wait_layer if loader else None,
         )
         return plan, stored, to_store, loader
-
-    def _lookahead(self, plan: PrefillPlan, cache: KVCache, depth: int) -> PrefillPlan:
-        """The "lookahead" selection: a reuse pass (only the unstored rows, the query, computed over the
-        stored KV) sums the attention each chunk row gets from the query over every layer; the blend plan
-        then recomputes the top ones from layer 0 on, with no check layer. Layer-0 KV is context-free,
-        so the dropped rows lose nothing by skipping layer 0, which offsets part of the pass's cost.
-        ``depth`` > 0 stops the pass after that many layers (their attention alone ranks the rows)."""
-        active = plan.active_rows
-        is_stored = plan.is_stored(active)
-        # the last row is always computed: its logits are the first token
-        always = torch.unique(torch.cat([active[~is_stored], active[-1:]]))
-        candidates = active[is_stored & (active != active[-1])]
-        num_keep = plan.check_keep[-1]
-        if (
-            0 < num_keep < candidates.numel()
-        ):  # else nothing to rank: recompute all candidates or none
-            reuse = replace(
-                plan,
-                active_rows=always,
-                check_layers=(),
-                check_keep=(),
-                record_query_attention=True,
-                num_layers=depth or None,
-            )
-            received = run_prefill(self.ops, reuse, cache).query_attention  # [T]
-            chosen = candidates[
-                select_top_tokens(received[candidates], num_keep).cpu()
-            ]  # plan rows stay on the CPU
-        else:
-            chosen = candidates[:num_keep]
-        return replace(
-            plan,
-            active_rows=torch.unique(torch.cat([always, chosen])),
-            check_layers=(),
-            check_keep=(),
-        )
 
     def _check_schedule(
         self, ratio: float, num_chunk_rows: int
