@@ -327,32 +327,32 @@ def client_env_overrides() -> dict:
 BACKEND_KINDS = ("local", "upstream")
 
 
+# A model entry's own keys; every other key sets its EngineConfig (create_model_entry).
+MODEL_ENTRY_KEYS = (
+    "id",
+    "kind",
+    "base_url",
+    "upstream_model",
+    "api_key_env",
+    "timeout_s",
+    "retries",
+)
+
+
 @dataclass
 class ModelEntry:
     """One model id served by `kvblend serve`.
 
-    kind "local": an in-process engine over ``model`` (weights path; "" = embedded model).
-    kind "upstream": requests are forwarded to another OpenAI-compatible service (``base_url``, e.g.
-    ``https://api.example.com/v1``; ``upstream_model``, default ``id``; the key is read from the
-    environment variable *named* by ``api_key_env``, never written in the file). See docs/GATEWAY.md.
+    kind "local": an in-process engine configured by ``engine`` (``engine.model.model``: a weights
+    path; "" = embedded model). kind "upstream": requests are forwarded to another OpenAI-compatible
+    service (``base_url``, e.g. ``https://api.example.com/v1``; ``upstream_model``, default ``id``;
+    the key is read from the environment variable *named* by ``api_key_env``, never written in the
+    file). See docs/GATEWAY.md. A config file's entry is flat: ``create_model_entry``.
     """
 
     id: str = ""  # "" (local only): the engine's own model_id
     kind: str = "local"
-    model: str = field(default_factory=default_model)
-    dtype: str = field(default_factory=default_dtype)
-    device: str = "cpu"
-    num_threads: int = field(default_factory=default_num_threads)
-    mode: str = "blend"
-    recompute_ratio: float = 0.15
-    fidelity: float | None = (
-        None  # target first-token agreement: overrides recompute_ratio (BlendConfig)
-    )
-    blend: dict = field(
-        default_factory=dict
-    )  # extra BlendConfig fields (check_layers, deviation, ...)
-    chunk_context: str | None = None
-    calibration: str = ""  # calibration JSON for fidelity targets ("": the model's default path)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     base_url: str = ""
     upstream_model: str = ""
     api_key_env: str = ""
@@ -372,29 +372,60 @@ class ModelEntry:
             raise ValueError(f"model {self.id!r}: base_url must start with http:// or https://")
         if self.timeout_s <= 0 or self.retries < 0:
             raise ValueError(f"model {self.id!r}: timeout_s must be > 0 and retries >= 0")
-        validate_mode(self.mode)
-        self.recompute_ratio = validate_ratio(self.recompute_ratio)
-        self.fidelity = validate_fidelity(self.fidelity)
+
+    # the model settings read most, under the names a config file gives them
+    @property
+    def model(self) -> str:
+        return self.engine.model.model
+
+    @property
+    def dtype(self) -> str:
+        return self.engine.model.dtype
+
+    @property
+    def num_threads(self) -> int:
+        return self.engine.model.num_threads
 
     def engine_config(self) -> EngineConfig:
-        fidelity = {"fidelity": self.fidelity} if self.fidelity is not None else {}
-        blend = BlendConfig(
-            **{
-                **filter_kwargs(BlendConfig, self.blend),
-                "mode": self.mode,
-                "recompute_ratio": self.recompute_ratio,
-                **fidelity,
-            }
-        )
-        model = ModelConfig(
-            model=self.model, dtype=self.dtype, device=self.device, num_threads=self.num_threads
-        )
-        return EngineConfig(
-            model=model,
-            blend=blend,
-            chunk_context=self.chunk_context,
-            calibration_path=Path(self.calibration) if self.calibration else None,
-        )
+        return self.engine
+
+    def settings(self) -> dict:
+        """The flat keys ``create_model_entry`` makes this entry from."""
+        eng = self.engine
+        own = {k: getattr(self, k) for k in MODEL_ENTRY_KEYS}
+        rest = {k: getattr(eng, k) for k in _field_names(EngineConfig) - {"model", "blend"}}
+        model = dataclasses.asdict(eng.model)
+        return {**own, **model, **rest, "blend": dataclasses.asdict(eng.blend)}
+
+
+def create_model_entry(where: str = "model", **settings) -> ModelEntry:
+    """A ModelEntry from a config file's flat keys: its own (``MODEL_ENTRY_KEYS``), then any
+    ModelConfig, EngineConfig or BlendConfig field (``create_engine_config``)."""
+    own = {k: settings.pop(k) for k in MODEL_ENTRY_KEYS if k in settings}
+    return ModelEntry(**own, engine=create_engine_config(where, **settings))
+
+
+def create_engine_config(where: str = "engine", **settings) -> EngineConfig:
+    """An EngineConfig from flat keys: ModelConfig's fields (model, dtype, device, num_threads,
+    cache_dir, attention_kernel), EngineConfig's own (chunk_context, pipeline_loads, ...;
+    ``calibration``: calibration_path), BlendConfig's (mode, recompute_ratio, fidelity, ...), and
+    ``blend``: a mapping of more BlendConfig fields (unknown ones ignored; flat keys win)."""
+    blend = filter_kwargs(BlendConfig, dict(settings.pop("blend", None) or {}))
+    if "calibration" in settings:
+        settings["calibration_path"] = settings.pop("calibration") or None
+    model = {k: settings.pop(k) for k in _field_names(ModelConfig) if k in settings}
+    flat_blend = {k: settings.pop(k) for k in _field_names(BlendConfig) if k in settings}
+    blend.update({k: v for k, v in flat_blend.items() if v is not None})
+    unknown = sorted(set(settings) - _field_names(EngineConfig) - {"model", "blend"})
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}")
+    if settings.get("calibration_path") is not None:
+        settings["calibration_path"] = Path(settings["calibration_path"])
+    return EngineConfig(model=ModelConfig(**model), blend=BlendConfig(**blend), **settings)
+
+
+def _field_names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
 
 
 @dataclass

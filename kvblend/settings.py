@@ -29,6 +29,7 @@ from kvblend.config import (
     ModelEntry,
     ServerConfig,
     StoreConfig,
+    create_model_entry,
     load_env_overrides,
     load_server_env,
 )
@@ -58,7 +59,7 @@ def _check_keys(cls, data: dict, where: str) -> dict:
 
 def _model_entry(data: Any, i: int) -> ModelEntry:
     if isinstance(data, str):  # shorthand: a bare weights path
-        return ModelEntry(model=data)
+        return create_model_entry(f"models[{i}]", model=data)
     if not isinstance(data, dict):
         raise ValueError(f"models[{i}] must be a mapping or a weights path")
     if "api_key" in data:  # secrets stay out of config files
@@ -66,7 +67,7 @@ def _model_entry(data: Any, i: int) -> ModelEntry:
             f"models[{i}]: do not put an upstream key in the config file; export it in an environment "
             "variable and name that variable with api_key_env"
         )
-    return ModelEntry(**_check_keys(ModelEntry, dict(data), f"models[{i}]"))
+    return create_model_entry(f"models[{i}]", **data)
 
 
 def _api_key(data: Any, i: int) -> ApiKey:

@@ -114,10 +114,10 @@ def instrument(marks: list[dict]) -> None:
 def serve(port: int, dtype: str):
     import uvicorn
 
-    from kvblend.config import ModelEntry, ServerConfig
+    from kvblend.config import ServerConfig, create_model_entry
     from kvblend.server.app import create_app
 
-    config = ServerConfig(port=port, models=[ModelEntry(dtype=dtype)], default_max_tokens=4)
+    config = ServerConfig(port=port, models=[create_model_entry(dtype=dtype)], default_max_tokens=4)
     server = uvicorn.Server(
         uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning")
     )

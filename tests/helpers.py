@@ -189,6 +189,11 @@ class FakeTokenizer:
     def decode(self, ids: list[int], **_) -> str:
         return " ".join("w" * max(int(i), 1) for i in ids)
 
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True) -> str:
+        """``<role> content`` per message, then ``<assistant>``: the server segments with it."""
+        text = "".join(f"<{m['role']}> {m['content']} " for m in messages)
+        return text + ("<assistant> " if add_generation_prompt else "")
+
 
 class FakeSeq:
     def __init__(self, req, stats):
@@ -215,14 +220,6 @@ class FakeEngine:
         self.in_start = threading.Event()
         self.batch_sizes: list[int] = []
         self.step_delay = 0.0
-
-    def segments_from_messages(self, messages, documents=None) -> Segments:
-        if messages[-1]["role"] != "user":
-            raise ValueError("messages must end with a user message")
-        text = messages[-1]["content"] if isinstance(messages[-1]["content"], str) else "x"
-        return Segments(
-            [1], [[2] * len(d.split()) for d in documents or []], self.tokenizer.encode(text) or [1]
-        )
 
     def segments(self, documents, question, **_) -> Segments:
         return Segments([1], [self.tokenizer.encode(d) for d in documents], [])

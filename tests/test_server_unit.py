@@ -226,3 +226,30 @@ def test_auth():
             auth.authenticate(header)
         assert e.value.status == 401
     assert Authenticator([]).authenticate(None).namespace == ""
+
+
+def test_every_engine_setting_is_per_model():
+    from kvblend.config import create_model_entry
+
+    model = {
+        "id": "m",
+        "model": "",
+        "dtype": "float32",
+        "attention_kernel": "torch",
+        "pipeline_loads": False,
+        "calibration": "/tmp/cal.json",
+        "mode": "reuse",
+        "selection": "query",
+        "blend": {"check_layers": [1, 4], "check_ratios": [0.3, 0.15], "mode": "full"},
+    }
+    cfg = server_config_from_dict({"models": [model, "/w/x.gguf"]})
+    entry = cfg.models[0]
+    engine = entry.engine_config()
+    assert engine.model.attention_kernel == "torch" and not engine.pipeline_loads
+    assert str(engine.calibration_path) == "/tmp/cal.json"
+    assert (engine.blend.mode, engine.blend.selection) == ("reuse", "query")  # flat keys win
+    assert engine.blend.check_layers == (1, 4) and engine.blend.check_ratios == (0.3, 0.15)
+    assert cfg.models[1].model == "/w/x.gguf" and cfg.models[1].engine.blend.mode == "blend"
+    assert create_model_entry(**entry.settings()) == entry
+    with pytest.raises(ValueError, match=r"models\[0\]: unknown key\(s\) \['nope'\]"):
+        server_config_from_dict({"models": [{"id": "m", "nope": 1}]})

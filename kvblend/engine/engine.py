@@ -1,8 +1,9 @@
-"""The kvblend engine: plan a prefill per mode from the chunk store, run it, decode.
+"""The kvblend engine: run a prefill the planner (planner.py) laid out from the chunk store, decode.
 
 One ``Engine`` per model. It is not thread-safe: a single worker (the scheduler, a CLI, a bench) drives
 it. ``start`` prefills a request and samples its first token; ``step`` runs one batched decode step
-over any number of live sequences.
+over any number of live sequences. Store lookups and what is stored after the first token belong
+to ``PrefillPlanner``; each sequence's text to its ``Detokenizer`` (detokenizer.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,16 +21,9 @@ import torch
 from kvblend.blend.blender import KVCache, PrefillPlan, run_prefill
 from kvblend.blend.buffers import BufferPool, typed_view
 from kvblend.blend.rope import apply_rope, halves_repeat
-from kvblend.blend.segmenter import (
-    Segments,
-    build_segments,
-    build_segments_from_messages,
-    encode,
-    render_template_halves,
-)
-from kvblend.blend.selection import num_to_keep
-from kvblend.blend.strategies import create_selection
+from kvblend.blend.segmenter import Segments, build_segments, encode, render_template_halves
 from kvblend.config import EngineConfig, validate_fidelity
+from kvblend.engine.detokenizer import Detokenizer
 from kvblend.engine.fidelity import (
     AUTO_FALLBACK,
     FAMILY_DEFAULTS,
@@ -38,7 +32,7 @@ from kvblend.engine.fidelity import (
     Setting,
     calibration_path,
 )
-from kvblend.engine.kv_loader import LayerwiseLoader, load_sync
+from kvblend.engine.planner import PrefillPlanner, account
 from kvblend.engine.request import (
     ContextLengthError,
     GenerationRequest,
@@ -59,34 +53,18 @@ from kvblend.models.loader import EMBEDDED_MODEL_ID, LoadedModel, load_model
 from kvblend.models.transformer import TransformerOps
 from kvblend.policy import Mode, PrefillPolicy, Selection, validate_lookahead_layers
 from kvblend.store.base import ChunkKV, KVStore
-from kvblend.store.key import make_chunk_key, make_prefix_key
 from kvblend.store.memory import MemoryStore
-from kvblend.store.reader import KVReader, KVReadError, TensorReader
+from kvblend.store.reader import KVReadError
 
 log = logging.getLogger(__name__)
 
 SHADOW_QUEUE = 4  # sampled requests waiting for a shadow full prefill; more are not sampled
 
 
-@dataclass
-class _StoredSegment:
-    row_start: int
-    reader: KVReader  # layer-by-layer access to the segment's stored KV
-    is_hit: bool  # found in the store at request start (vs computed alone during this request)
-    # Stored in the context of every segment before it (a prefix-chain hit): used as is, never
-    # recomputed. Chunk KV computed alone is not exact and goes through selection.
-    exact: bool = False
-    key: str = ""  # the store key read (empty: computed during this request)
-
-    @property
-    def seq_len(self) -> int:
-        return self.reader.seq_len
-
-
 class Sequence:
     """A request being generated: its KV cache, sampled tokens and streaming text state."""
 
-    def __init__(self, request: GenerationRequest, cache: KVCache, stats: PrefillStats):
+    def __init__(self, request: GenerationRequest, cache: KVCache, stats: PrefillStats, tokenizer):
         self.request = request
         self.cache = cache
         self.stats = stats
@@ -95,7 +73,8 @@ class Sequence:
         self.finished = False
         self.finish_reason: str | None = None
         self.first_token_logits: torch.Tensor | None = None
-        self.text = ""  # text emitted so far (stop strings never included)
+        # the streamed text: emitted so far in .text (stop strings never included)
+        self.detokenizer = Detokenizer(tokenizer, request.sampling.stop)
         self.pending: list[TokenEvent] = []  # events produced by start() not yet handed out
         # (to_store, fresh_k, fresh_v): chained segments whose KV the engine stores after the first
         # token is out (Engine.run_deferred); fresh_k [L, Hkv, T, d] is a pooled buffer until then.
@@ -103,6 +82,10 @@ class Sequence:
         # The cache's pooled memory goes back when the sequence is dropped (finished, cancelled or failed):
         # nothing outside a Sequence holds its cache.
         weakref.finalize(self, cache.release)
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
 
     def result(self) -> GenerationResult:
         return GenerationResult(
@@ -118,7 +101,6 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, store: KVStore):
         self.config = config
         self.loaded = loaded
-        self.store = store
         self.tokenizer = loaded.tokenizer
         kernel, self.attention_kernel_reason = _rows_attention_kernel(config.model, loaded)
         self.ops = TransformerOps(loaded.hf_model, rows_attention=kernel)
@@ -136,11 +118,16 @@ class Engine:
         self.eos_ids = _eos_ids(loaded)
         # KV caches and prefill workspaces are recycled: fresh memory costs a page fault per 4 KiB written.
         self.buffers = BufferPool(config.buffer_pool_bytes)
-        # Chunks a request found missing: computed alone after its first token (run_deferred), so a
-        # cold request costs one normal prefill and the next request with these chunks hits.
-        self._deferred: dict[str, list[int]] = {}
-        # (sequence, its K workspace buffer): chained KV to store once the first token is out.
-        self._pending_stores: list[tuple[Sequence, object]] = []
+        # Store lookups, prefix chains, missing chunks computed after the first token.
+        self.planner = PrefillPlanner(
+            config,
+            self.ops,
+            store,
+            self.fingerprint,
+            self.chunk_context_ids,
+            self.buffers,
+            self._compute_chunk,
+        )
         self.calibration_path = config.calibration_path or calibration_path(
             config.model.cache_dir, loaded.model_dir, config.model.dtype
         )
@@ -163,32 +150,45 @@ class Engine:
     def reload_calibration(self) -> None:
         self.fidelity = FidelityController(self._load_calibration())
 
+    # ---- the planner's state, under the engine's names -----------------------------------------
+    @property
+    def store(self) -> KVStore:
+        return self.planner.store
+
+    @store.setter
+    def store(self, store: KVStore) -> None:
+        self.planner.store = store
+
+    @property
+    def _deferred(self) -> dict[str, list[int]]:
+        return self.planner.deferred
+
+    @_deferred.setter
+    def _deferred(self, deferred: dict[str, list[int]]) -> None:
+        self.planner.deferred = deferred
+
+    @property
+    def has_deferred(self) -> bool:
+        return self.planner.has_deferred
+
+    def run_deferred(self, max_items: int | None = None) -> int:
+        """Store pending chained KV, then compute and store chunks that earlier requests found
+        missing. Returns how many chunks were computed."""
+        return self.planner.run_deferred(max_items)
+
     # ---- prompts -------------------------------------------------------------------------------
     def segments(
         self, documents: list[str], question: str, instruction: str = "", system: str | None = None
     ) -> Segments:
         return build_segments(self.tokenizer, documents, question, instruction, system)
 
-    def segments_from_messages(
-        self, messages: list[dict], documents: list[str] | None = None
-    ) -> Segments:
-        """OpenAI chat messages -> segments (``segmenter.build_segments_from_messages``)."""
-        return build_segments_from_messages(self.tokenizer, messages, documents)
-
     # ---- chunk precompute ----------------------------------------------------------------------
     def chunk_key(self, chunk_ids: list[int], namespace: str = "") -> str:
-        return make_chunk_key(self.fingerprint, self.chunk_context_ids, chunk_ids, namespace)
+        return self.planner.chunk_key(chunk_ids, namespace)
 
     def max_chunk_tokens(self) -> int | None:
-        """The longest chunk whose KV the store can keep (None: no store limit), so a caller can
-        refuse one that would be computed and then silently dropped."""
-        limit = getattr(self.store, "max_entry_bytes", lambda: None)()
-        if limit is None:
-            return None
-        ops = self.ops  # K and V: [layers, kv_heads, L, d] each
-        itemsize = ops.embed_tokens.weight.element_size()
-        per_token = 2 * ops.num_layers * ops.num_kv_heads * ops.head_dim * itemsize
-        return int(limit) // per_token
+        """The longest chunk whose KV the store can keep (None: no store limit)."""
+        return self.planner.max_chunk_tokens()
 
     def precompute(self, chunks: list[list[int]], namespace: str = "") -> list[dict]:
         """Compute and store the KV of each chunk not already stored. Returns one dict per chunk."""
@@ -234,7 +234,8 @@ class Engine:
     @torch.inference_mode()
     def start(self, request: GenerationRequest) -> Sequence:
         """Prefill ``request`` and sample its first token (available via ``step`` / ``pending``)."""
-        self._store_chained()  # earlier chained KV: this request may start with the same segments
+        # earlier chained KV first: this request may start with the same segments
+        self.planner.store_chained()
         t0 = time.perf_counter()
         choice, setting = self._resolve_choice(request)
         segs = request.segments
@@ -265,22 +266,8 @@ class Engine:
                 k_buffer
             )  # the pre-RoPE K workspace: nothing reads it past the prefill
         else:  # stored by run_deferred (the scheduler's, once the token is out) or the next start()
-            self._pending_stores.append((seq, k_buffer))
+            self.planner.pending_stores.append((seq, k_buffer))
         return seq
-
-    def _store_chained(self) -> None:
-        """Store the chained segments of finished prefills (copies of up to the whole prompt's K
-        and V, kept off the TTFT), then give their K workspaces back."""
-        while self._pending_stores:
-            seq, k_buffer = self._pending_stores.pop(0)
-            to_store, fresh_k, fresh_v = seq.chained
-            seq.chained = None
-            try:
-                for key, start, end in to_store:
-                    kv = ChunkKV(fresh_k[:, :, start:end].clone(), fresh_v[:, :, start:end].clone())
-                    self.store.put(key, kv)
-            finally:
-                self.buffers.give(k_buffer)
 
     def _resolve_choice(self, request: GenerationRequest) -> tuple[PrefillPolicy, Setting | None]:
         """The request's policy completed from BlendConfig; with a fidelity target (the request's, else
@@ -375,7 +362,7 @@ class Engine:
                 attention_kernel=self.attention_kernel,
                 attention_kernel_reason=self.attention_kernel_reason,
             )
-            plan, stored, to_store, loader = self._plan(
+            plan, stored, to_store, loader = self.planner.plan(
                 segs, choice, request.namespace, stats, cache, k_work, bad
             )
             t_loaded = time.perf_counter()
@@ -400,8 +387,8 @@ class Engine:
                     loader.close()
                 for seg in stored:
                     seg.reader.close()
-        self._account(stats, stored, out.recomputed_rows, num_tokens)
-        seq = Sequence(request, cache, stats)
+        account(stats, stored, out.recomputed_rows, num_tokens)
+        seq = Sequence(request, cache, stats, self.tokenizer)
         seq.first_token_logits = out.last_logits
         first = sample(out.last_logits, request.sampling, seq.generator)
         event = self._append_token(seq, first, out.last_logits)
@@ -414,230 +401,6 @@ class Engine:
         if event is not None:
             seq.pending.append(event)
         return seq
-
-    def _plan(
-        self,
-        segs: Segments,
-        choice: PrefillPolicy,
-        namespace: str,
-        stats: PrefillStats,
-        cache: KVCache,
-        k_work: torch.Tensor,
-        bad: set[str] = frozenset(),
-    ):
-        """Look segments up in the store for ``choice.mode`` and build the layer-loop plan; stored K loads into
-        ``k_work`` [L, Hkv, T, d], stored V into the cache.
-
-        Returns (plan, stored segments, [(prefix key, row start, row end)] to store after the
-        prefill, the loader filling the plan's stored rows layer by layer or None). Keys in ``bad``
-        failed an earlier attempt: they are misses, and such chunks are computed alone now."""
-        mode, ratio = choice.mode, choice.ratio
-        ids = torch.tensor(segs.token_ids, dtype=torch.long)
-        num_tokens = ids.numel()
-        stats.chunks_total = len(segs.chunk_ids)
-        if mode == "full":
-            stored, to_store = [], []
-        elif mode == "prefix":
-            stored, to_store = self._lookup_prefix_chain(segs, namespace, bad)
-        else:
-            stored, to_store = self._lookup_chunks(segs, namespace, stats, choice.chain_tag, bad)
-        stored_mask = torch.zeros(num_tokens, dtype=torch.bool)
-        stored_k, stored_v, loader = k_work, None, None  # k_work also holds the fresh rows' K
-        if stored:
-            stored_v = cache.v[:, :, :num_tokens]  # values load straight into the attention cache
-            sources = [(seg.reader, seg.row_start) for seg in stored]
-            for seg in stored:
-                stored_mask[seg.row_start : seg.row_start + seg.seq_len] = True
-            if self.config.pipeline_loads:  # layer i+1 loads while layer i computes
-                loader = LayerwiseLoader(sources, stored_k, stored_v)
-            else:
-                load_sync(sources, stored_k, stored_v)
-        if mode == "blend":
-            # Rows stored in their exact context (the prefix, earlier blends of the same leading
-            # segments) are final; the other stored rows are chunk KV computed alone: candidates.
-            exact = torch.zeros(num_tokens, dtype=torch.bool)
-            for seg in stored:
-                if seg.exact:
-                    exact[seg.row_start : seg.row_start + seg.seq_len] = True
-            active = (~exact).nonzero().flatten()
-            layers, keep = self._check_schedule(ratio, int((stored_mask & ~exact).sum()))
-            spans = tuple(
-                (seg.row_start, seg.row_start + seg.seq_len) for seg in stored if not seg.exact
-            )
-        else:
-            active = (~stored_mask).nonzero().flatten()
-            layers, keep, spans = (), (), ()
-        if active.numel() == 0 or int(active[-1]) != num_tokens - 1:
-            # The last row's logits are the first token: it is always computed.
-            active = torch.unique(torch.cat([active, torch.tensor([num_tokens - 1])]))
-        plan = PrefillPlan(
-            ids,
-            stored_k,
-            stored_v,
-            stored_mask,
-            active,
-            check_layers=layers,
-            check_keep=keep,
-            selection=create_selection(choice, deviation=self.config.blend.deviation),
-            chunk_spans=spans,
-            prefix_len=len(segs.prefix_ids),
-            wait_layer=loader.wait_layer if loader else None,
-        )
-        return plan, stored, to_store, loader
-
-    def _check_schedule(
-        self, ratio: float, num_chunk_rows: int
-    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Check layers and how many chunk rows each keeps. Gradual filtering: the configured ratios,
-        with the request's ratio as the last (never above an earlier one)."""
-        cfg = self.config.blend
-        layers = tuple(l for l in cfg.check_layers if l < self.ops.num_layers)
-        if not layers or num_chunk_rows == 0:
-            return (), ()
-        ratios = (
-            list(cfg.check_ratios[: len(layers)]) if cfg.check_ratios else [ratio] * len(layers)
-        )
-        ratios[-1] = ratio
-        ratios = [max(r, ratio) for r in ratios]  # shrinking schedule ending at the request's ratio
-        return layers, tuple(num_to_keep(r, num_chunk_rows) for r in ratios)
-
-    def _lookup_prefix_chain(self, segs: Segments, namespace: str, bad: set[str] = frozenset()):
-        """Longest run of whole segments from the start whose exact-context KV is stored."""
-        stored, to_store, parent, row, hit = [], [], None, 0, True
-        for kind, seg_ids in segs.segment_list():
-            if kind == "query":
-                break
-            key = make_prefix_key(self.fingerprint, parent, seg_ids, namespace)
-            parent = key
-            reader = self._open(key, len(seg_ids), bad) if hit else None
-            if reader is not None:
-                stored.append(_StoredSegment(row, reader, True, key=key))
-            else:
-                hit = False
-                to_store.append((key, row, row + len(seg_ids)))
-            row += len(seg_ids)
-        return stored, to_store
-
-    def _lookup_chunks(
-        self,
-        segs: Segments,
-        namespace: str,
-        stats: PrefillStats,
-        chain_tag: str,
-        bad: set[str] = frozenset(),
-    ):
-        """reuse / blend: the longest run of leading segments stored by an earlier request of the same
-        mode and ratio (chained keys: that KV saw exactly these segments before it) is used as is;
-        every later chunk comes by its position-independent key, computed alone now if missing (and
-        stored, so the next request hits). The prefix segment's chain key is the exact one prefix
-        mode uses, since a prefix is never recomputed."""
-        stored, to_store, row, parent, chained = [], [], 0, None, True
-        reuse_chain = self.config.blend.store_blended_prefix
-        for kind, seg_ids in segs.segment_list():
-            if kind == "query":
-                break
-            chained = chained and (kind == "prefix" or reuse_chain)
-            key = make_prefix_key(
-                self.fingerprint,
-                parent,
-                seg_ids,
-                namespace if kind == "prefix" else f"{namespace}|{chain_tag}",
-            )
-            parent = key
-            reader = self._open(key, len(seg_ids), bad) if chained else None
-            if reader is not None:
-                stats.chunks_hit += int(kind == "chunk")
-                stored.append(_StoredSegment(row, reader, True, exact=True, key=key))
-                row += len(seg_ids)
-                continue
-            chained = False
-            if kind == "prefix" or reuse_chain:
-                to_store.append((key, row, row + len(seg_ids)))
-            if kind == "chunk":
-                seg = self._chunk_segment(seg_ids, row, namespace, stats, bad)
-                if seg is not None:
-                    stored.append(seg)
-            row += len(seg_ids)
-        return stored, to_store
-
-    def _chunk_segment(
-        self,
-        chunk_ids: list[int],
-        row: int,
-        namespace: str,
-        stats: PrefillStats,
-        bad: set[str] = frozenset(),
-    ) -> _StoredSegment | None:
-        """The stored chunk, or None when missing: its rows are then computed in context, like the
-        query. A chunk whose entry was damaged is computed alone now (never deferred), so it is used
-        exactly as its intact entry would have been: corruption costs time, never another answer."""
-        key = self.chunk_key(chunk_ids, namespace)
-        reader = self._open(key, len(chunk_ids), bad)
-        if reader is not None:
-            stats.chunks_hit += 1
-            return _StoredSegment(row, reader, True, key=key)
-        damaged = key in bad or bool(getattr(self.store, "was_discarded", lambda _: False)(key))
-        if self.config.defer_missing_chunks and not damaged:
-            self._deferred[key] = list(chunk_ids)
-            return None
-        kv = self._compute_chunk(chunk_ids)
-        self.store.put(key, kv)
-        return _StoredSegment(row, TensorReader(kv), False)
-
-    @property
-    def has_deferred(self) -> bool:
-        return bool(self._deferred or self._pending_stores)
-
-    @torch.inference_mode()
-    def run_deferred(self, max_items: int | None = None) -> int:
-        """Store pending chained KV, then compute and store chunks that earlier requests found
-        missing. Returns how many chunks were computed."""
-        self._store_chained()
-        done = 0
-        while self._deferred and (max_items is None or done < max_items):
-            key, chunk_ids = next(iter(self._deferred.items()))
-            del self._deferred[key]
-            if not self.store.contains(key):
-                self.store.put(key, self._compute_chunk(chunk_ids))
-                done += 1
-        return done
-
-    def _open(self, key: str, num_tokens: int, bad: set[str] = frozenset()) -> KVReader | None:
-        """A reader for ``key`` if stored with the expected geometry; anything else is a miss."""
-        if key in bad:
-            return None
-        reader = self.store.open(key)
-        if reader is None:
-            return None
-        ops = self.ops
-        if (reader.seq_len, reader.num_layers, reader.kv_heads, reader.head_dim, reader.dtype) != (
-            num_tokens,
-            ops.num_layers,
-            ops.num_kv_heads,
-            ops.head_dim,
-            ops.dtype,
-        ):
-            reader.close()
-            return None
-        return reader
-
-    @staticmethod
-    def _account(
-        stats: PrefillStats,
-        stored: list[_StoredSegment],
-        recomputed_rows: torch.Tensor,
-        num_tokens: int,
-    ) -> None:
-        hit_mask = torch.zeros(num_tokens, dtype=torch.bool)
-        for seg in stored:
-            if seg.is_hit:
-                hit_mask[seg.row_start : seg.row_start + seg.seq_len] = True
-        num_hit = int(hit_mask.sum())
-        stats.recomputed_tokens = (
-            int(hit_mask[recomputed_rows].sum()) if recomputed_rows.numel() else 0
-        )
-        stats.reused_tokens = num_hit - stats.recomputed_tokens
-        stats.fresh_tokens = num_tokens - num_hit
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> list[TokenEvent | None]:
@@ -698,21 +461,12 @@ class Engine:
             seq.finished, seq.finish_reason = True, "stop"
             return None
         seq.generated.append(token_id)
-        full = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
-        hold = 0
-        for stop in params.stop:
-            at = full.find(stop)
-            if stop and at != -1:
-                full, seq.finished, seq.finish_reason = full[:at], True, "stop"
-                break
-            hold = max(hold, _partial_suffix(full, stop))
-        if not seq.finished and len(seq.generated) >= params.max_tokens:
-            seq.finished, seq.finish_reason, hold = True, "length", 0
-        if not seq.finished and full.endswith("\ufffd"):
-            hold = max(hold, 1)  # an incomplete UTF-8 sequence: wait for the next token
-        visible = full[: len(full) - hold] if hold else full
-        delta = visible[len(seq.text) :] if visible.startswith(seq.text) else ""
-        seq.text += delta
+        last = len(seq.generated) >= params.max_tokens
+        delta = seq.detokenizer.add(token_id, last)
+        if seq.detokenizer.stopped:
+            seq.finished, seq.finish_reason = True, "stop"
+        elif last:
+            seq.finished, seq.finish_reason = True, "length"
         event = TokenEvent(token_id, delta, len(seq.generated) - 1)
         if params.logprobs is not None:
             event.logprob, event.top_logprobs = token_logprobs(logits, token_id, params.logprobs)
@@ -739,14 +493,6 @@ def _rows_shape(cache: KVCache, num_rows: int) -> tuple[int, int, int, int]:
     """[L, Hkv, num_rows, d]: a per-layer stack like the cache's, ``num_rows`` long."""
     layers, heads, _, dim = cache.k.shape
     return layers, heads, num_rows, dim
-
-
-def _partial_suffix(text: str, stop: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop`` (held back)."""
-    for n in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:n]):
-            return n
-    return 0
 
 
 def _eos_ids(loaded: LoadedModel) -> set[int]:

@@ -37,6 +37,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvblend.engine.detokenizer import partial_suffix
 from kvblend.server import errors
 from kvblend.server.backends import Delta, Final, GenerationJob
 from kvblend.server.limits import until_disconnect
@@ -257,20 +258,13 @@ class _StopScanner:
             at, stop = min(hits)
             out, self.buf = self.buf[:at], ""
             return out, stop
-        hold = max(_partial_suffix(self.buf, s) for s in self.stops)
+        hold = max(partial_suffix(self.buf, s) for s in self.stops)
         out, self.buf = self.buf[: len(self.buf) - hold], self.buf[len(self.buf) - hold :]
         return out, None
 
     def flush(self) -> str:
         out, self.buf = self.buf, ""
         return out
-
-
-def _partial_suffix(text: str, stop: str) -> int:
-    for n in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:n]):
-            return n
-    return 0
 
 
 class _Run:

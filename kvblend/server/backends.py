@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Union
 
-from kvblend.blend.segmenter import build_completion_segments
+from kvblend.blend.segmenter import build_completion_segments, build_segments_from_messages
 from kvblend.config import ModelEntry, ServerConfig
 from kvblend.engine.request import (
     ContextLengthError,
@@ -112,7 +112,9 @@ def build_request(
     thread, not the model's worker: only the tokenizer is touched (its fast encode is safe across
     threads), so a huge prompt's tokenization never stalls other tenants' decode steps."""
     if job.messages is not None:
-        segs = engine.segments_from_messages(job.messages, documents=job.documents or None)
+        segs = build_segments_from_messages(
+            engine.tokenizer, job.messages, documents=job.documents or None
+        )
     else:
         segs = build_completion_segments(
             engine.tokenizer, job.prompt if job.prompt is not None else "", job.documents

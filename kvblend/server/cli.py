@@ -76,9 +76,7 @@ def _model_override(args: argparse.Namespace, base: list | None) -> list[dict] |
     if not fields:
         return None
     if args.model is None and base:  # flags tweak every configured model
-        import dataclasses
-
-        return [{**dataclasses.asdict(m), **fields} for m in base]
+        return [{**m.settings(), **fields} for m in base]
     return [fields]
 
 

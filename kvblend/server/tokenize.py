@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvblend.blend.segmenter import build_segments_from_messages
 from kvblend.server import errors
 from kvblend.server.auth import Principal
 from kvblend.server.model_info import max_model_len
@@ -92,6 +93,7 @@ def _ids(engine, body: TokenizeRequest) -> list[int]:
         for m in body.messages
     ]
     try:
-        return engine.segments_from_messages(messages, documents=body.documents or None).token_ids
+        documents = body.documents or None
+        return build_segments_from_messages(engine.tokenizer, messages, documents).token_ids
     except ValueError as e:
         raise errors.invalid_request(str(e), "messages") from None
