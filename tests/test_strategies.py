@@ -93,10 +93,9 @@ def _prompt():
     return engine, segs, plan
 
 
-def _run(ops, plan, selection=None):
-    """run_prefill on copies of the plan's stored KV (the loop writes fresh rows into them)."""
-    cache = KVCache.allocate(ops, plan.num_tokens)
-    copy = PrefillPlan(
+def _copy(plan, selection=None):
+    """The plan on copies of its stored KV (the layer loop writes fresh rows into them)."""
+    return PrefillPlan(
         plan.token_ids,
         plan.stored_k.clone(),
         plan.stored_v.clone(),
@@ -108,7 +107,10 @@ def _run(ops, plan, selection=None):
         record_query_attention=plan.record_query_attention,
         num_layers=plan.num_layers,
     )
-    return run_prefill(ops, copy, cache)
+
+
+def _run(ops, plan, selection=None):
+    return run_prefill(ops, _copy(plan, selection), KVCache.allocate(ops, plan.num_tokens))
 
 
 def test_a_registered_strategy_is_created_and_run_at_the_check_layer():
@@ -147,16 +149,7 @@ def test_lookahead_prepare_is_the_reuse_pass_then_a_blend_without_check_layers()
     for depth in (0, 6):
         strategy = LookaheadSelection(depth=depth)
         cache = KVCache.allocate(ops, plan.num_tokens)
-        working = PrefillPlan(
-            plan.token_ids,
-            plan.stored_k.clone(),
-            plan.stored_v.clone(),
-            plan.stored_mask,
-            plan.active_rows,
-            check_layers=plan.check_layers,
-            check_keep=plan.check_keep,
-            selection=strategy,
-        )
+        working = _copy(plan, strategy)
         prepared = strategy.prepare(ops, working, cache)
         got = run_prefill(ops, prepared, cache)
 
