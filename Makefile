@@ -36,8 +36,6 @@ lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/ruff format --check --quiet kvblend tests scripts
 	$(BIN)/ruff check --quiet kvblend tests scripts
-	@echo "ruff: lines over 100 columns left (strings and comments): $$($(BIN)/ruff check --select E501 \
-		--quiet --output-format concise kvblend tests scripts | grep -c E501)"
 
 test: lint
 	$(BIN)/python -m pytest -q --durations=10 tests

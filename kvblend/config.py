@@ -1,8 +1,8 @@
 """Typed configuration for every kvblend component.
 
-Each component gets a small dataclass validated in ``__post_init__``. Defaults that the environment can
-set come from ``kvblend/env.py`` (the registry of every variable); what the machine is and how the
-process is tuned lives in ``kvblend/platform.py``.
+Each component gets a small dataclass validated in ``__post_init__``. Defaults that the environment
+can set come from ``kvblend/env.py`` (the registry of every variable); what the machine is and how
+the process is tuned lives in ``kvblend/platform.py``.
 """
 
 from __future__ import annotations
@@ -36,14 +36,15 @@ __all__ = [
     "validate_selection",
 ]
 
-# What a check layer compares (kvblend/blend/selection.py): the fresh vs cached values, keys or both (the
-# paper's KV deviation), or "attn": a row's attention output over every key vs over its own chunk and the
-# prompt's prefix only (what it saw when cached), measurable from layer 0 on.
+# What a check layer compares (kvblend/blend/selection.py): the fresh vs cached values, keys or both
+# (the paper's KV deviation), or "attn": a row's attention output over every key vs over its own
+# chunk and the prompt's prefix only (what it saw when cached), measurable from layer 0 on.
 DEVIATION_KINDS = ("v", "k", "kv", "attn")
 DTYPES = ("auto", "bfloat16", "float32", "float16")
-# Prefill attention: "auto" uses the native kernel (kvblend/kernels) for the engine's dtype where it applies
-# (head_dim 64 on the CPU: bf16 with AMX or else AVX512-BF16, fp32 with AVX2 + FMA) and PyTorch's kernels
-# elsewhere; "amx", "avx512bf16" and "avx2" require that kernel; "torch" never uses a native one.
+# Prefill attention: "auto" uses the native kernel (kvblend/kernels) for the engine's dtype where it
+# applies (head_dim 64 on the CPU: bf16 with AMX or else AVX512-BF16, fp32 with AVX2 + FMA) and
+# PyTorch's kernels elsewhere; "amx", "avx512bf16" and "avx2" require that kernel; "torch" never
+# uses a native one.
 ATTENTION_KERNELS = ("auto", "amx", "avx512bf16", "avx2", "torch")
 
 
@@ -96,8 +97,8 @@ def default_attention_kernel() -> str:
 class ModelConfig:
     # A local HF dir (safetensors), a .gguf file, or "" for the embedded SmolLM2-135M-Instruct.
     model: str = field(default_factory=default_model)
-    # "auto": bfloat16 where it pays (CUDA, CPUs with AMX or AVX-512 BF16), else float32; resolved here,
-    # so everything downstream sees a concrete dtype.
+    # "auto": bfloat16 where it pays (CUDA, CPUs with AMX or AVX-512 BF16), else float32; resolved
+    # here, so everything downstream sees a concrete dtype.
     dtype: str = field(default_factory=default_dtype)
     device: str = "cpu"
     num_threads: int = field(default_factory=default_num_threads)  # 0: leave torch's default
@@ -111,7 +112,8 @@ class ModelConfig:
         self.dtype = resolve_dtype(self.dtype, self.device)
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(
-                f"attention_kernel must be one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}"
+                f"attention_kernel must be one of {ATTENTION_KERNELS}, "
+                f"got {self.attention_kernel!r}"
             )
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
@@ -124,9 +126,9 @@ class BlendConfig:
 
     mode: str = "blend"
     recompute_ratio: float = 0.15
-    # Layers where token deviation is measured. One entry = the paper's single check layer;
-    # several with shrinking check_ratios = gradual filtering. Empty: the deviation's first useful layer,
-    # 1 for the KV kinds (layer-0 KV is context-free), 0 for "attn".
+    # Layers where token deviation is measured. One entry = the paper's single check layer; several
+    # with shrinking check_ratios = gradual filtering. Empty: the deviation's first useful layer, 1
+    # for the KV kinds (layer-0 KV is context-free), 0 for "attn".
     check_layers: tuple[int, ...] = ()
     check_ratios: tuple[float, ...] = ()  # empty: every check layer uses recompute_ratio
     deviation: str = "v"
@@ -136,19 +138,20 @@ class BlendConfig:
     # most over all layers of a reuse pass run first; they are recomputed from layer 0 (no check
     # layer). Each is a strategy in kvblend/blend/strategies.py.
     selection: str = "deviation"
-    # How many layers (from layer 0) lookahead's reuse pass runs and sums the query's attention over;
-    # 0 = every layer. Fewer layers make the pass cheaper and the ranking coarser (CHANGELOG.md: "Token
-    # selection, measured"); a request may override it.
+    # How many layers (from layer 0) lookahead's reuse pass runs and sums the query's attention
+    # over; 0 = every layer. Fewer layers make the pass cheaper and the ranking coarser
+    # (CHANGELOG.md: "Token selection, measured"); a request may override it.
     lookahead_layers: int = 0
     # Keep a blend/reuse request's final KV per segment under chained keys, and use such entries: a
-    # later request starting with the same segments (same documents, new question) reuses them as is.
+    # later request starting with the same segments (same documents, new question) reuses them as
+    # is.
     store_blended_prefix: bool = True
-    # Target first-token agreement with full prefill (0..1]: the engine picks ratio and selection from
-    # the model's calibration (`kvblend calibrate`), or runs full prefill where none meets it
+    # Target first-token agreement with full prefill (0..1]: the engine picks ratio and selection
+    # from the model's calibration (`kvblend calibrate`), or runs full prefill where none meets it
     # (kvblend/engine/fidelity.py). None: recompute_ratio and selection as given.
     fidelity: float | None = None
-    # Shadow-check one in this many fidelity-chosen blends with a full prefill when the engine is idle
-    # (0: never); the outcomes move the setting a target picks as traffic drifts.
+    # Shadow-check one in this many fidelity-chosen blends with a full prefill when the engine is
+    # idle (0: never); the outcomes move the setting a target picks as traffic drifts.
     fidelity_shadow_every: int = 10
 
     def __post_init__(self):
@@ -199,18 +202,21 @@ def validate_fidelity(target: float | None) -> float | None:
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     blend: BlendConfig = field(default_factory=BlendConfig)
-    # Chunks are prefilled behind this fixed context (its KV dropped) so their first token is not
-    # an attention sink. None: the chat template's opening, i.e. the prompt prefix up to the user turn.
+    # Chunks are prefilled behind this fixed context (its KV dropped) so their first token is not an
+    # attention sink. None: the chat template's opening, i.e. the prompt prefix up to the user turn.
     chunk_context: str | None = None
-    # Load stored KV layer by layer on a thread while earlier layers compute (False: load all first).
+    # Load stored KV layer by layer on a thread while earlier layers compute (False: load all
+    # first).
     pipeline_loads: bool = True
-    # reuse / blend with a missing chunk: prefill its rows in context now and compute its standalone KV
-    # after the first token (True), or compute it alone before the prefill (False: slower first token).
+    # reuse / blend with a missing chunk: prefill its rows in context now and compute its standalone
+    # KV after the first token (True), or compute it alone before the prefill (False: slower first
+    # token).
     defer_missing_chunks: bool = True
-    # Free KV-cache / workspace memory kept for reuse by later requests (0: allocate afresh every time).
+    # Free KV-cache / workspace memory kept for reuse by later requests (0: allocate afresh every
+    # time).
     buffer_pool_bytes: int = 1 << 30
-    # The calibration fidelity targets are met from (`kvblend calibrate`); None: the model's default,
-    # <cache_dir>/calibration/<weights dir>-<dtype>.json.
+    # The calibration fidelity targets are met from (`kvblend calibrate`); None: the model's
+    # default, <cache_dir>/calibration/<weights dir>-<dtype>.json.
     calibration_path: Path | None = None
 
     def __post_init__(self):
@@ -222,8 +228,9 @@ STORE_TIERS = ("memory", "disk", "redis")
 
 
 def default_memory_bytes() -> int:
-    """The memory tier's budget: a third of this machine's RAM, at least 2 GiB. A fixed 2 GiB filled within a
-    few eval examples, since every prefill mode keeps chained entries of its own beside the chunks."""
+    """The memory tier's budget: a third of this machine's RAM, at least 2 GiB. A fixed 2 GiB filled
+    within a few eval examples, since every prefill mode keeps chained entries of its own beside the
+    chunks."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -304,8 +311,10 @@ def default_config_dir() -> Path:
     return (env.read("XDG_CONFIG_HOME") or Path.home() / ".config") / "kvblend"
 
 
-# Client endpoint settings taken from the environment; they override auth.json (see kvblend/client/auth.py).
-# KVBLEND_API_KEY was once both the client's key and a server key: the client still reads it (deprecated).
+# Client endpoint settings taken from the environment; they override auth.json (see
+# kvblend/client/auth.py).
+# KVBLEND_API_KEY was once both the client's key and a server key: the client still reads it
+# (deprecated).
 CLIENT_ENV_VARS = {
     "KVBLEND_BASE_URL": "base_url",
     "KVBLEND_CLIENT_API_KEY": "api_key",
@@ -477,8 +486,9 @@ class ServerConfig:
 
 
 def load_server_env() -> dict:
-    """Server keys from the environment: KVBLEND_SERVER_API_KEYS="key[:namespace],..." (the deprecated
-    KVBLEND_API_KEYS is still read). KVBLEND_API_KEY is the client's and never switches auth on."""
+    """Server keys from the environment: KVBLEND_SERVER_API_KEYS="key[:namespace],..." (the
+    deprecated KVBLEND_API_KEYS is still read). KVBLEND_API_KEY is the client's and never switches
+    auth on."""
     items = [*env.read("KVBLEND_SERVER_API_KEYS"), *env.read("KVBLEND_API_KEYS")]
     keys: list[ApiKey] = []
     for item in items:

@@ -1,6 +1,7 @@
 """How a request prefills, as one value: ``PrefillPolicy``, parsed once from its one spelling.
 
-    full | prefix | reuse | blend | blend@0.15 | blend@0.15/lookahead | blend@0.1/lookahead:8 | default
+    full | prefix | reuse | blend | blend@0.15 | blend@0.15/lookahead
+         | blend@0.1/lookahead:8 | default
 
 The engine resolves a request's partial policy against its BlendConfig into a complete one; benches,
 the client, the server and the scripts all parse and print policies here, so a new selection is one
@@ -134,7 +135,8 @@ class PrefillPolicy:
 
     @property
     def selection_label(self) -> str | None:
-        """The selection as requests and benches spell it: "lookahead:8" for a shortened reuse pass."""
+        """The selection as requests and benches spell it: "lookahead:8" for a shortened reuse
+        pass."""
         if self.selection is None:
             return None
         depth = self.lookahead_layers if self.selection == Selection.LOOKAHEAD else None
@@ -150,8 +152,8 @@ class PrefillPolicy:
 
     @property
     def chain_tag(self) -> str:
-        """Part of chained (blended-prefix) keys: blended KV depends on the mode, ratio and selection,
-        so entries of one never serve another. Needs a resolved policy."""
+        """Part of chained (blended-prefix) keys: blended KV depends on the mode, ratio and
+        selection, so entries of one never serve another. Needs a resolved policy."""
         if self.mode != Mode.BLEND or self.selection == Selection.DEVIATION:
             return f"{self.mode}@{self.ratio:g}"
         return f"{self.mode}@{self.ratio:g}/{self.selection_label}"

@@ -2,7 +2,8 @@
 
 Precedence, lowest first: dataclass defaults < config file < environment (server keys, store tiers,
 directory and Redis URL) < CLI flags.
-Unknown keys are errors, not silently ignored: a typo in a key name would otherwise serve the wrong thing.
+Unknown keys are errors, not silently ignored: a typo in a key name would otherwise serve the wrong
+thing.
 
     host: 127.0.0.1
     port: 8000
@@ -64,8 +65,8 @@ def _model_entry(data: Any, i: int) -> ModelEntry:
         raise ValueError(f"models[{i}] must be a mapping or a weights path")
     if "api_key" in data:  # secrets stay out of config files
         raise ValueError(
-            f"models[{i}]: do not put an upstream key in the config file; export it in an environment "
-            "variable and name that variable with api_key_env"
+            f"models[{i}]: do not put an upstream key in the config file; export it in an "
+            "environment variable and name that variable with api_key_env"
         )
     return create_model_entry(f"models[{i}]", **data)
 

@@ -1,16 +1,17 @@
 """The one layer loop every prefill mode runs through.
 
-A ``PrefillPlan`` says which rows have stored KV and which rows are computed from layer 0; check layers
-shrink the computed set to the rows whose KV deviates most. The modes are just plans:
+A ``PrefillPlan`` says which rows have stored KV and which rows are computed from layer 0; check
+layers shrink the computed set to the rows whose KV deviates most. The modes are just plans:
 
     full    no stored rows, every row computed at every layer
-    prefix  stored rows = the longest cached run of whole segments from the start (exact KV), rest computed
+    prefix  stored rows = the longest cached run of whole segments from the start (exact KV),
+            rest computed
     reuse   stored rows = prefix + chunks, only uncached rows (the query) computed
-    blend   stored rows = prefix + chunks; chunks + query computed until the check layer(s), then only
-            the chunk rows the plan's selection strategy keeps (kvblend/blend/strategies.py:
-            top KV deviation, top attention-output deviation after the check layer's attention,
-            or top query attention) + query; lookahead's ``prepare`` ranks the rows by a reuse
-            pass first and returns a plan with no check layer
+    blend   stored rows = prefix + chunks; chunks + query computed until the check layer(s), then
+            only the chunk rows the plan's selection strategy keeps (kvblend/blend/strategies.py:
+            top KV deviation, top attention-output deviation after the check layer's attention, or
+            top query attention) + query; lookahead's ``prepare`` ranks the rows by a reuse pass
+            first and returns a plan with no check layer
 
 Rows that are not computed at a layer use their stored pre-RoPE K (rotated to their new absolute
 position) and V at that layer. Rows computed at a layer overwrite the stored rows with fresh K/V.
@@ -72,7 +73,8 @@ class KVCache:
         return self.k.shape[2]
 
     def release(self) -> None:
-        """Hand pooled memory back; the cache is empty afterwards. Idempotent; a no-op if not pooled."""
+        """Hand pooled memory back; the cache is empty afterwards. Idempotent; a no-op if not
+        pooled."""
         if self._pool is not None and self._buffer is not None:
             self._pool.give(self._buffer)
         self._buffer = None
@@ -106,9 +108,9 @@ class RowSelection(Protocol):
 class PrefillPlan:
     """The only thing that crosses from the engine's planning to the layer loop.
 
-    Invariants: every row with ``stored_mask`` False is in ``active_rows``; ``active_rows`` is sorted
-    and contains the last row (its logits are the first token); ``check_keep[i]`` is how many stored
-    rows stay active after ``check_layers[i]`` (non-increasing).
+    Invariants: every row with ``stored_mask`` False is in ``active_rows``; ``active_rows`` is
+    sorted and contains the last row (its logits are the first token); ``check_keep[i]`` is how many
+    stored rows stay active after ``check_layers[i]`` (non-increasing).
     """
 
     token_ids: torch.Tensor  # [T] long
@@ -121,15 +123,17 @@ class PrefillPlan:
     check_keep: tuple[int, ...] = ()
     # Which rows a check layer keeps (a SelectionStrategy); needed only with check layers.
     selection: RowSelection | None = None
-    # For deviation "attn": [start, end) rows of each stored chunk (the candidates), and how many leading
-    # rows (the prompt's prefix) a chunk's local attention also sees, as it saw its cached context.
+    # For deviation "attn": [start, end) rows of each stored chunk (the candidates), and how many
+    # leading rows (the prompt's prefix) a chunk's local attention also sees, as it saw its cached
+    # context.
     chunk_spans: tuple[tuple[int, int], ...] = ()
     prefix_len: int = 0
-    # Sum, over layers, the attention the computed rows give every key (PrefillOutput.query_attention):
-    # on a reuse plan those rows are the query, and the sums rank the chunk rows for "lookahead".
+    # Sum, over layers, the attention the computed rows give every key
+    # (PrefillOutput.query_attention): on a reuse plan those rows are the query, and the sums rank
+    # the chunk rows for "lookahead".
     record_query_attention: bool = False
-    # Run layers [0, num_layers) only (None: every layer). A shorter pass has no logits: it is only for
-    # recording the query's attention (lookahead ranking from the first layers).
+    # Run layers [0, num_layers) only (None: every layer). A shorter pass has no logits: it is only
+    # for recording the query's attention (lookahead ranking from the first layers).
     num_layers: int | None = None
     # Pipelined loading: called before layer l's stored rows are first read; blocks until loaded.
     wait_layer: Callable[[int], None] | None = None
@@ -155,7 +159,8 @@ class PrefillOutput:
 
 
 # Hidden rows are padded to a multiple of this: oneDNN builds a matmul primitive per new row count
-# (3-7 ms each, four shapes a layer), and without padding every request's recomputed set is a new count.
+# (3-7 ms each, four shapes a layer), and without padding every request's recomputed set is a new
+# count.
 ROW_ALIGN = 16
 
 
@@ -196,7 +201,8 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
         else:
             q = _project_rows(ops, layer, h, active, k_pre[layer], v_all[layer])
         if layer == last_layer and active.numel() > 1:
-            # Every row's K/V of this layer is written; only the last row's output (the logits) is read.
+            # Every row's K/V of this layer is written; only the last row's output (the logits) is
+            # read.
             last = active.numel() - 1
             q, h, active = q[:, last:], h[last : last + 1], active[last:]
         if attention_check:  # o_proj and the MLP run for the kept rows only
@@ -215,8 +221,8 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
             active, h = active[keep], pad_rows(h[keep])
             recomputed = active[plan.is_stored(active)].cpu()
         else:
-            # [A, Hq * d]; the native kernel returns it with h's zero pad rows, ready for o_proj. A kernel
-            # that sums key mass records the query's attention in the same call.
+            # [A, Hq * d]; the native kernel returns it with h's zero pad rows, ready for o_proj. A
+            # kernel that sums key mass records the query's attention in the same call.
             key_mass = (
                 recorder.total if recorder is not None and attention.records_key_mass else None
             )
@@ -269,9 +275,9 @@ def _layers_to_run(ops: TransformerOps, plan: PrefillPlan) -> int:
 
 
 class QueryAttentionRecorder:
-    """Attention every key receives from the computed rows, summed over the layers ``add`` is called for,
-    heads and rows. The kernels never materialise attention probabilities; this recomputes them for the
-    few query rows."""
+    """Attention every key receives from the computed rows, summed over the layers ``add`` is called
+    for, heads and rows. The kernels never materialise attention probabilities; this recomputes them
+    for the few query rows."""
 
     def __init__(self, ops: TransformerOps, num_tokens: int):
         self.ops, self.num_tokens = ops, num_tokens
@@ -289,7 +295,8 @@ class QueryAttentionRecorder:
         return self._cos_sin
 
     def add(self, q: torch.Tensor, keys: torch.Tensor, active: torch.Tensor) -> None:
-        """q [Hq, A, d] pre-RoPE of rows ``active``; keys [Hkv, T, d] post-RoPE (the layer's cache)."""
+        """q [Hq, A, d] pre-RoPE of rows ``active``; keys [Hkv, T, d] post-RoPE (the layer's
+        cache)."""
         cos, sin = self.cos_sin
         q_rot = apply_rope(q, cos[active], sin[active])
         self.total += query_attention(q_rot, keys, active, self.ops.scaling)
@@ -305,9 +312,10 @@ def pad_rows(x: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
 
 
 def create_attention(ops: TransformerOps, num_tokens: int):
-    """The attention of one prefill: the native kernel where the model's ops carry it (CPU: AMX for bf16,
-    AVX2 for fp32; RoPE tables of the repeated-half form), else PyTorch's SDPA kernels. Both are called as
-    ``attention(layer, q, k_pre, v, k_cache, active)`` and also write the layer's rotated keys."""
+    """The attention of one prefill: the native kernel where the model's ops carry it (CPU: AMX for
+    bf16, AVX2 for fp32; RoPE tables of the repeated-half form), else PyTorch's SDPA kernels. Both
+    are called as ``attention(layer, q, k_pre, v, k_cache, active)`` and also write the layer's
+    rotated keys."""
     if ops.rows_attention is not None:
         tables = ops.rope_half_tables(num_tokens)
         if tables is not None:
@@ -316,8 +324,8 @@ def create_attention(ops: TransformerOps, num_tokens: int):
 
 
 class KernelAttention:
-    """One native call per layer: rotates every key into the cache, then attends the active rows with an
-    exact causal mask by position (kvblend/kernels/rows_attention.c)."""
+    """One native call per layer: rotates every key into the cache, then attends the active rows
+    with an exact causal mask by position (kvblend/kernels/rows_attention.c)."""
 
     head_subsets = (
         True  # q may carry any number of query heads per KV head (the kernel's GQA factor)
@@ -336,7 +344,8 @@ class KernelAttention:
 
     @property
     def records_key_mass(self) -> bool:
-        """The bf16 builds also sum the attention each key receives (lookahead's reuse pass records it)."""
+        """The bf16 builds also sum the attention each key receives (lookahead's reuse pass records
+        it)."""
         return self.ops.rows_attention.has_key_mass
 
     def __call__(
@@ -350,10 +359,11 @@ class KernelAttention:
         num_out_rows: int = 0,
         key_mass: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [H, A, d] pre-RoPE of rows ``active`` (H: the model's query heads, or any subset with the same
-        count per KV head); k_pre, v, k_cache [Hkv, T, d]. Returns [A, H * d], or with ``num_out_rows`` > A
-        that many rows, the ones past A zero (the hidden rows' padding). key_mass (``records_key_mass``):
-        fp32 [T], += the attention probability each key receives, summed over the rows and heads."""
+        """q [H, A, d] pre-RoPE of rows ``active`` (H: the model's query heads, or any subset with
+        the same count per KV head); k_pre, v, k_cache [Hkv, T, d]. Returns [A, H * d], or with
+        ``num_out_rows`` > A that many rows, the ones past A zero (the hidden rows' padding).
+        key_mass (``records_key_mass``): fp32 [T], += the attention probability each key receives,
+        summed over the rows and heads."""
         ops = self.ops
         num_rows = q.shape[1]
         out = torch.empty(
@@ -403,8 +413,9 @@ class TorchAttention:
         num_out_rows: int = 0,
         key_mass: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """As ``KernelAttention``, but returns [A, Hq * d] whatever ``num_out_rows`` (callers pad), and
-        records no key mass (``records_key_mass`` is False: a caller passing it would lose the ranking)."""
+        """As ``KernelAttention``, but returns [A, Hq * d] whatever ``num_out_rows`` (callers pad),
+        and records no key mass (``records_key_mass`` is False: a caller passing it would lose the
+        ranking)."""
         if key_mass is not None:
             raise ValueError(
                 "TorchAttention does not record key mass; QueryAttentionRecorder.add does"
@@ -446,16 +457,16 @@ class RowBlock:
 
     @property
     def mask(self) -> torch.Tensor:
-        """The full [len(rows), num_keys] bool mask (the device path and tests). Built once per block,
-        reused by every layer."""
+        """The full [len(rows), num_keys] bool mask (the device path and tests). Built once per
+        block, reused by every layer."""
         if "full" not in self._masks:
             self._masks["full"] = causal_mask(self.positions, self.num_keys)
         return self._masks["full"]
 
     def float_tail_mask(self, repeat: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive tail mask with each row repeated ``repeat`` times in a row ([S*repeat, n]), for
-        grouped-query attention that keeps a KV head's query heads of one row adjacent. Built once per
-        block, reused by every layer."""
+        grouped-query attention that keeps a KV head's query heads of one row adjacent. Built once
+        per block, reused by every layer."""
         key = (repeat, dtype)
         if key not in self._masks:
             tail = self.tail_mask
@@ -500,9 +511,10 @@ def grouped_queries(
     sin: torch.Tensor,
     halved: bool | None = None,
 ) -> torch.Tensor:
-    """Pre-RoPE q [Hq, A, d] -> post-RoPE [Hkv, A * rep, d] with each row's ``rep`` query heads of a KV
-    head adjacent (the layout ``attend_rows`` slices by row). cos/sin: [A, d] of the rows' positions.
-    Rotating in row-major order and then permuting is faster than rotating into the permuted layout."""
+    """Pre-RoPE q [Hq, A, d] -> post-RoPE [Hkv, A * rep, d] with each row's ``rep`` query heads of a
+    KV head adjacent (the layout ``attend_rows`` slices by row). cos/sin: [A, d] of the rows'
+    positions. Rotating in row-major order and then permuting is faster than rotating into the
+    permuted layout."""
     num_rows = q.shape[1]
     rows = apply_rope(q.transpose(0, 1), cos[:, None], sin[:, None], halved=halved)  # [A, Hq, d]
     grouped = rows.view(num_rows, ops.num_kv_heads, ops.group_size, ops.head_dim).permute(
@@ -514,8 +526,9 @@ def grouped_queries(
 def _working_buffers(
     ops: TransformerOps, plan: PrefillPlan, cache: KVCache
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pre-RoPE K [L, Hkv, T, d] (stored rows in place, fresh rows written per layer) and V, which is
-    the cache's own V rows: values need no rotation, so they are loaded and written there directly."""
+    """Pre-RoPE K [L, Hkv, T, d] (stored rows in place, fresh rows written per layer) and V, which
+    is the cache's own V rows: values need no rotation, so they are loaded and written there
+    directly."""
     T = plan.num_tokens
     v_all = cache.v[:, :, :T]
     if plan.stored_v is not None and plan.stored_v.data_ptr() != v_all.data_ptr():
@@ -536,8 +549,8 @@ def _project_rows(
     k_layer: torch.Tensor,
     v_layer: torch.Tensor,
 ) -> torch.Tensor:
-    """Q/K/V of every active row: writes their pre-RoPE K and V into k_layer / v_layer [Hkv, T, d] and
-    returns q [Hq, A, d] (pre-RoPE)."""
+    """Q/K/V of every active row: writes their pre-RoPE K and V into k_layer / v_layer [Hkv, T, d]
+    and returns q [Hq, A, d] (pre-RoPE)."""
     q, k, v = (t[:, : active.numel()] for t in ops.qkv(layer, h))
     ops.write_rows(k_layer, k, active)
     ops.write_rows(v_layer, v, active)
@@ -552,9 +565,10 @@ def _first_layer_qkv(
     k_layer: torch.Tensor,
     v_layer: torch.Tensor,
 ) -> torch.Tensor:
-    """Layer 0 of a plan with stored rows: returns q [Hq, A, d] of every active row, and writes fresh
-    K/V [Hkv, T, d] for the unstored active rows only. Layer-0 K/V depends on the token alone (no
-    attention precedes it), so a stored row's K/V there already is what a fresh projection gives."""
+    """Layer 0 of a plan with stored rows: returns q [Hq, A, d] of every active row, and writes
+    fresh K/V [Hkv, T, d] for the unstored active rows only. Layer-0 K/V depends on the token alone
+    (no attention precedes it), so a stored row's K/V there already is what a fresh projection
+    gives."""
     num_rows = active.numel()
     fresh = (~plan.is_stored(active)).nonzero().flatten()  # local indices
     if fresh.numel() == num_rows:  # reuse / prefix: no stored row is computed, one matmul for all

@@ -1,10 +1,10 @@
 """Recycled memory for per-request KV caches and prefill workspaces.
 
-A freshly allocated tensor is mapped page by page on its first write: on the 2-core EPYC test machines
-that costs ~0.23 ms per MiB, ~33 ms for the 144 MB fp32 K (or V) stack of a 6k-token SmolLM2 prompt.
-A blended request writes three such stacks (cache K, cache V, the stored pre-RoPE K), so a fresh
-allocation per request adds ~100 ms to a ~3.3 s blend@0.15 TTFT (~3%) and a little to everything
-else. Buffers handed back here are already mapped and are handed out again.
+A freshly allocated tensor is mapped page by page on its first write: on the 2-core EPYC test
+machines that costs ~0.23 ms per MiB, ~33 ms for the 144 MB fp32 K (or V) stack of a 6k-token
+SmolLM2 prompt. A blended request writes three such stacks (cache K, cache V, the stored pre-RoPE
+K), so a fresh allocation per request adds ~100 ms to a ~3.3 s blend@0.15 TTFT (~3%) and a little to
+everything else. Buffers handed back here are already mapped and are handed out again.
 
     pool = BufferPool(max_free_bytes=1 << 30)
     buf = pool.take(num_bytes, device)     # flat uint8, at least num_bytes
@@ -25,9 +25,9 @@ SIZE_STEP = 16 << 20
 
 
 class BufferPool:
-    """Free flat buffers per device, best fit first. Thread-safe: a sequence's buffers may be given back
-    from whichever thread drops it. Holds at most ``max_free_bytes`` of free buffers (the smallest are
-    released first when over); 0 disables recycling."""
+    """Free flat buffers per device, best fit first. Thread-safe: a sequence's buffers may be given
+    back from whichever thread drops it. Holds at most ``max_free_bytes`` of free buffers (the
+    smallest are released first when over); 0 disables recycling."""
 
     def __init__(self, max_free_bytes: int = 1 << 30):
         if max_free_bytes < 0:

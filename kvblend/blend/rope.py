@@ -1,7 +1,8 @@
 """Rotary embedding application, used both for fresh rows and for re-positioning cached keys.
 
-Cached keys are stored pre-RoPE, so moving a chunk to new absolute positions is one rotation with the
-new positions' cos/sin (from the model's own rotary module), exact for every rope_scaling variant.
+Cached keys are stored pre-RoPE, so moving a chunk to new absolute positions is one rotation with
+the new positions' cos/sin (from the model's own rotary module), exact for every rope_scaling
+variant.
 """
 
 from __future__ import annotations

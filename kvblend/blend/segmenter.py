@@ -48,7 +48,8 @@ class Segments:
 
 
 def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` alone: no BOS/EOS, special tokens in the text are parsed (template parts)."""
+    """Token ids of ``text`` alone: no BOS/EOS, special tokens in the text are parsed (template
+    parts)."""
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
@@ -113,7 +114,8 @@ def build_segments(
     system: str | None = None,
     history: list[dict] | None = None,
 ) -> Segments:
-    """Segments for: [template start, system, history, user: instruction] [doc + sep]... [question + template end]."""
+    """Segments for: [template start, system, history, user: instruction] [doc + sep]... [question +
+    template end]."""
     return build_segments_from_parts(
         tokenizer, canonical_chunks(documents), question, system, history, leading_text=instruction
     )

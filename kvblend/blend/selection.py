@@ -1,16 +1,17 @@
 """Token selection for CacheBlend, as pure functions over tensors.
 
-At a check layer every candidate row has fresh K/V (computed in the real, mixed context) and cached K/V
-(computed with its chunk alone). Ways to score which rows keep being recomputed (the rest reuse their
-cached KV from here on):
+At a check layer every candidate row has fresh K/V (computed in the real, mixed context) and cached
+K/V (computed with its chunk alone). Ways to score which rows keep being recomputed (the rest reuse
+their cached KV from here on):
 
-    deviation  rows whose KV deviates most are the ones missing cross-chunk attention (CacheBlend); or,
-               with ``attention_deviation``, rows whose attention output moves most once they see the
-               other chunks (measurable at layer 0, before its MLP)
-    query      rows the query attends to most at the check layer: their errors are the ones the answer
-               reads (query-aware selection, as in A3, arXiv 2511.17560)
+    deviation  rows whose KV deviates most are the ones missing cross-chunk attention (CacheBlend);
+               or, with ``attention_deviation``, rows whose attention output moves most once they
+               see the other chunks (measurable at layer 0, before its MLP)
+    query      rows the query attends to most at the check layer: their errors are the ones the
+               answer reads (query-aware selection, as in A3, arXiv 2511.17560)
     lookahead  rows the query attends to most summed over every layer of a reuse pass run first
-               (``LookaheadSelection.prepare`` runs that pass; ``query_attention`` scores each layer)
+               (``LookaheadSelection.prepare`` runs that pass; ``query_attention`` scores each
+               layer)
 
 The strategies that apply these at check layers are in kvblend/blend/strategies.py.
 """
@@ -61,15 +62,17 @@ def query_attention(
     scaling: float,
     max_scores: int = 1 << 24,
 ) -> torch.Tensor:
-    """Attention probability each key receives from the query rows, summed over heads and query rows.
+    """Attention probability each key receives from the query rows, summed over heads and rows.
 
-    query_q [Hq, Q, d] and keys [Hkv, T, d] post-RoPE (Hq a multiple of Hkv: grouped-query heads share a
-    key head); query_positions [Q]: the rows' absolute positions, each sees keys at positions <= its
-    own (exact causal). -> float32 [T]. Rows go in blocks of at most ``max_scores`` fp32 scores.
+    query_q [Hq, Q, d] and keys [Hkv, T, d] post-RoPE (Hq a multiple of Hkv: grouped-query heads
+    share a key head); query_positions [Q]: the rows' absolute positions, each sees keys at
+    positions <= its own (exact causal). -> float32 [T]. Rows go in blocks of at most ``max_scores``
+    fp32 scores.
 
     One batched matmul per block (every key head at once), and only the keys from the earliest row's
-    position on are masked: the reuse pass of ``lookahead`` calls this every layer. For 32 query rows over
-    6,254 keys, per-head calls with a [Q, T] mask took a median of 5.6 ms against 3.7 ms (2-core Xeon, bf16).
+    position on are masked: the reuse pass of ``lookahead`` calls this every layer. For 32 query
+    rows over 6,254 keys, per-head calls with a [Q, T] mask took a median of 5.6 ms against 3.7 ms
+    (2-core Xeon, bf16).
     """
     num_kv_heads, num_keys, head_dim = keys.shape
     num_heads, num_rows = query_q.shape[0], query_q.shape[1]
@@ -93,12 +96,14 @@ def query_attention(
 
 
 def num_to_keep(ratio: float, num_candidates: int) -> int:
-    """How many of ``num_candidates`` chunk tokens a ratio keeps (ceil, so r > 0 keeps at least one)."""
+    """How many of ``num_candidates`` chunk tokens a ratio keeps (ceil, so r > 0 keeps at least
+    one)."""
     return min(num_candidates, int(math.ceil(ratio * num_candidates - 1e-9)))
 
 
 def select_top_tokens(deviation: torch.Tensor, num_keep: int) -> torch.Tensor:
-    """Indices (into ``deviation``) of the ``num_keep`` largest deviations, in ascending index order."""
+    """Indices (into ``deviation``) of the ``num_keep`` largest deviations, in ascending index
+    order."""
     if num_keep >= deviation.numel():
         return torch.arange(deviation.numel(), device=deviation.device)
     if num_keep <= 0:

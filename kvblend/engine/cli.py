@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--selection",
         default=None,
         type=_selection,
-        help="which chunk tokens blend recomputes: deviation (largest KV deviation at the check layer) "
+        help="which chunk tokens blend recomputes: "
+        "deviation (largest KV deviation at the check layer) "
         "or lookahead (most attended by the query over all layers of a reuse pass run first; "
         "lookahead:N over its first N); experimental, dominated by lookahead: query (most attended "
         "by the query at the check layer); default: the engine's",

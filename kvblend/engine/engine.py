@@ -1,9 +1,9 @@
 """The kvblend engine: run a prefill the planner (planner.py) laid out from the chunk store, decode.
 
-One ``Engine`` per model. It is not thread-safe: a single worker (the scheduler, a CLI, a bench) drives
-it. ``start`` prefills a request and samples its first token; ``step`` runs one batched decode step
-over any number of live sequences. Store lookups and what is stored after the first token belong
-to ``PrefillPlanner``; each sequence's text to its ``Detokenizer`` (detokenizer.py).
+One ``Engine`` per model. It is not thread-safe: a single worker (the scheduler, a CLI, a bench)
+drives it. ``start`` prefills a request and samples its first token; ``step`` runs one batched
+decode step over any number of live sequences. Store lookups and what is stored after the first
+token belong to ``PrefillPlanner``; each sequence's text to its ``Detokenizer`` (detokenizer.py).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ class Sequence:
         # (to_store, fresh_k, fresh_v): chained segments whose KV the engine stores after the first
         # token is out (Engine.run_deferred); fresh_k [L, Hkv, T, d] is a pooled buffer until then.
         self.chained: tuple | None = None
-        # The cache's pooled memory goes back when the sequence is dropped (finished, cancelled or failed):
-        # nothing outside a Sequence holds its cache.
+        # The cache's pooled memory goes back when the sequence is dropped (finished, cancelled or
+        # failed): nothing outside a Sequence holds its cache.
         weakref.finalize(self, cache.release)
 
     @property
@@ -104,7 +104,8 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         kernel, self.attention_kernel_reason = _rows_attention_kernel(config.model, loaded)
         self.ops = TransformerOps(loaded.hf_model, rows_attention=kernel)
-        # "amx" / "avx512bf16" / "avx2" / "torch"; the reason is None when this CPU's best native build runs
+        # "amx" / "avx512bf16" / "avx2" / "torch"; the reason is None when this CPU's best native
+        # build runs
         self.attention_kernel = kernel.name if kernel is not None else "torch"
         self.fingerprint = loaded.fingerprint
         self.model_id = _model_id(config.model.model, loaded)
@@ -116,7 +117,8 @@ class Engine:
             ctx_text = render_template_halves(self.tokenizer, system=None)[0]
         self.chunk_context_ids = encode(self.tokenizer, ctx_text)
         self.eos_ids = _eos_ids(loaded)
-        # KV caches and prefill workspaces are recycled: fresh memory costs a page fault per 4 KiB written.
+        # KV caches and prefill workspaces are recycled: fresh memory costs a page fault per 4 KiB
+        # written.
         self.buffers = BufferPool(config.buffer_pool_bytes)
         # Store lookups, prefix chains, missing chunks computed after the first token.
         self.planner = PrefillPlanner(
@@ -270,8 +272,9 @@ class Engine:
         return seq
 
     def _resolve_choice(self, request: GenerationRequest) -> tuple[PrefillPolicy, Setting | None]:
-        """The request's policy completed from BlendConfig; with a fidelity target (the request's, else
-        the config's unless the request names a ratio or selection) the controller's setting."""
+        """The request's policy completed from BlendConfig; with a fidelity target (the request's,
+        else the config's unless the request names a ratio or selection) the controller's
+        setting."""
         blend, asked = self.config.blend, request.policy
         mode = asked.mode or Mode(blend.mode)
         target = validate_fidelity(request.fidelity)
@@ -302,7 +305,8 @@ class Engine:
             mode, blend.recompute_ratio, blend.selection, blend.lookahead_layers
         )
         depth = validate_lookahead_layers(chosen.lookahead_layers)
-        # A depth of the whole model or more is every layer: one spelling (0), so one chained-key tag.
+        # A depth of the whole model or more is every layer: one spelling (0), so one chained-key
+        # tag.
         return replace(
             chosen, lookahead_layers=0 if depth >= self.ops.num_layers else depth
         ), setting
@@ -311,7 +315,8 @@ class Engine:
     def _maybe_shadow(
         self, request: GenerationRequest, choice: PrefillPolicy, seq: Sequence
     ) -> None:
-        """Queue one in ``fidelity_shadow_every`` fidelity-chosen blends for a shadow full prefill."""
+        """Queue one in ``fidelity_shadow_every`` fidelity-chosen blends for a shadow full
+        prefill."""
         every = self.config.blend.fidelity_shadow_every
         if choice.mode != "blend" or every == 0 or seq.first_token_logits is None:
             return
@@ -326,8 +331,8 @@ class Engine:
 
     @torch.inference_mode()
     def run_shadow(self) -> bool:
-        """Run one queued shadow full prefill (when idle) and record whether its first token (argmax)
-        is the one the blend gave. Returns whether one ran."""
+        """Run one queued shadow full prefill (when idle) and record whether its first token
+        (argmax) is the one the blend gave. Returns whether one ran."""
         if not self._shadow:
             return False
         segs, namespace, choice, blend_top = self._shadow.popleft()
@@ -406,7 +411,8 @@ class Engine:
     def step(self, seqs: list[Sequence]) -> list[TokenEvent | None]:
         """One decode step for every live sequence in ``seqs``, batched through the linear layers.
 
-        A sequence whose ``pending`` event (from ``start``) is not handed out yet returns that instead."""
+        A sequence whose ``pending`` event (from ``start``) is not handed out yet returns that
+        instead."""
         events: list[TokenEvent | None] = [None] * len(seqs)
         live = []
         for i, s in enumerate(seqs):
@@ -520,10 +526,11 @@ def _model_id(model_ref: str, loaded: LoadedModel) -> str:
 
 def _rows_attention_kernel(cfg, loaded: LoadedModel):
     """(kernel, reason): the native attention kernel for the engine's dtype and head size when
-    ``cfg.attention_kernel`` allows it and it applies (on the CPU; bfloat16: AMX, else AVX512-BF16; float32:
-    AVX2), else None (PyTorch kernels); reason: why it is not this CPU's best native build, or None. A kernel
-    named in ``cfg.attention_kernel`` makes every reason it cannot run an error. A build that fails to compile
-    or fails its self-check is logged as a warning: the engine then runs 2-4x slower than it should."""
+    ``cfg.attention_kernel`` allows it and it applies (on the CPU; bfloat16: AMX, else AVX512-BF16;
+    float32: AVX2), else None (PyTorch kernels); reason: why it is not this CPU's best native build,
+    or None. A kernel named in ``cfg.attention_kernel`` makes every reason it cannot run an error. A
+    build that fails to compile or fails its self-check is logged as a warning: the engine then runs
+    2-4x slower than it should."""
     if cfg.attention_kernel == "torch":
         return None, "attention_kernel=torch was asked for"
     hf_cfg = loaded.hf_model.config

@@ -30,7 +30,8 @@ Source = tuple[KVReader, int]  # (reader of one chunk, first destination row of 
 def _check_sources(sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tensor) -> None:
     if k_pre.shape != v.shape or k_pre.dim() != 4:
         raise ValueError(
-            f"k_pre and v must share one shape [layers, kv_heads, T, d]; got {tuple(k_pre.shape)}, {tuple(v.shape)}"
+            "k_pre and v must share one shape [layers, kv_heads, T, d]; "
+            f"got {tuple(k_pre.shape)}, {tuple(v.shape)}"
         )
     layers, heads, rows, dim = k_pre.shape
     for reader, off in sources:
@@ -40,7 +41,8 @@ def _check_sources(sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tens
             dim,
         ) or reader.dtype != k_pre.dtype:
             raise ValueError(
-                f"reader geometry {(reader.num_layers, reader.kv_heads, reader.head_dim, reader.dtype)} "
+                "reader geometry "
+                f"{(reader.num_layers, reader.kv_heads, reader.head_dim, reader.dtype)} "
                 f"does not match buffers {(layers, heads, dim, k_pre.dtype)}"
             )
         if not 0 <= off <= rows - reader.seq_len:
@@ -50,7 +52,8 @@ def _check_sources(sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tens
 
 
 def load_layer(sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tensor, layer: int) -> None:
-    """Copy layer ``layer`` of every source into rows [off, off+L) of k_pre / v [layers, kv_heads, T, d]."""
+    """Copy layer ``layer`` of every source into rows [off, off+L) of
+    k_pre / v [layers, kv_heads, T, d]."""
     for reader, off in sources:
         rows = slice(off, off + reader.seq_len)
         reader.read_layer_into(layer, k_pre[layer, :, rows], v[layer, :, rows])
@@ -78,7 +81,8 @@ class _LayerCopier:
 
 
 def load_sync(sources: Sequence[Source], k_pre: torch.Tensor, v: torch.Tensor) -> None:
-    """Everything, on the calling thread (reference for the pipelined path; fallback when not overlapping)."""
+    """Everything, on the calling thread (reference for the pipelined path; fallback when not
+    overlapping)."""
     _check_sources(sources, k_pre, v)
     copy = _LayerCopier(sources, k_pre, v)
     for layer in range(k_pre.shape[0]):
@@ -89,12 +93,12 @@ class LayerwiseLoader:
     """Fills k_pre / v [layers, kv_heads, T, d] layer by layer on background threads.
 
     Contract: after ``wait_layer(i)`` returns, layer i of every source's rows is in place and will
-    not be written again; rows not covered by a source are never touched. The loader does not own the
-    readers' lifetimes unless ``close_readers`` (then ``close()`` closes them).
+    not be written again; rows not covered by a source are never touched. The loader does not own
+    the readers' lifetimes unless ``close_readers`` (then ``close()`` closes them).
 
     ``num_threads`` threads split the sources (each reader stays on one thread, as readers require)
-    and go through the layers in order; a layer is ready when every thread has copied its share.
-    One thread copies at about single-core memcpy speed; two reach about what a two-core memcpy does.
+    and go through the layers in order; a layer is ready when every thread has copied its share. One
+    thread copies at about single-core memcpy speed; two reach about what a two-core memcpy does.
     """
 
     def __init__(
@@ -158,7 +162,8 @@ class LayerwiseLoader:
                 ev.set()  # wake every waiter; they see the error
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
-        """Block until layer ``layer`` is loaded. Raises KVReadError if it never will be, TimeoutError on timeout."""
+        """Block until layer ``layer`` is loaded. Raises KVReadError if it never will be,
+        TimeoutError on timeout."""
         if not self._ready[layer].wait(timeout):
             raise TimeoutError(f"layer {layer} not loaded within {timeout}s")
         if layer >= self._failed_layer:
@@ -175,7 +180,8 @@ class LayerwiseLoader:
         return self._error
 
     def close(self) -> None:
-        """Stop after the layer in flight, join the threads, and close readers if owned. Idempotent."""
+        """Stop after the layer in flight, join the threads, and close readers if owned.
+        Idempotent."""
         self._stop.set()
         for thread in self._threads:
             if thread.ident is not None:

@@ -41,7 +41,8 @@ class GenerationRequest:
     policy: PrefillPolicy = field(default_factory=PrefillPolicy)
     namespace: str = ""  # tenant: part of every store key, so tenants never share KV
     # Target first-token agreement with full prefill: the engine picks mode, ratio and selection
-    # (kvblend/engine/fidelity.py). None: BlendConfig.fidelity; exclusive with recompute_ratio/selection.
+    # (kvblend/engine/fidelity.py). None: BlendConfig.fidelity; exclusive with
+    # recompute_ratio/selection.
     fidelity: float | None = None
     mode: InitVar[str | None] = None
     recompute_ratio: InitVar[float | None] = None
@@ -92,7 +93,8 @@ class PrefillStats:
         None  # why not this CPU's best native build; None when it is
     )
     # Set when a fidelity target chose the setting: the target, the agreement the choice expects
-    # (calibration + shadow prefills) and where the choice came from ("calibration", "fallback: ...").
+    # (calibration + shadow prefills) and where the choice came from
+    # ("calibration", "fallback: ...").
     fidelity: dict | None = None
 
     @property

@@ -1,4 +1,5 @@
-"""Next-token choice from float32 logits: greedy, or temperature + top-p with a per-request generator."""
+"""Next-token choice from float32 logits: greedy, or temperature + top-p with a per-request
+generator."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The one worker thread that owns an engine: admits queued requests, batches their decode steps.
 
-The engine is not thread-safe, so everything that touches it (tokenizing, prefill, decode, precompute)
-runs here. Callers ``submit`` a job plus a ``sink`` callback; the worker calls the sink with
-``Started(stats)``, then ``TokenEvent``s, then one ``GenerationResult`` — or a single ``Failed``.
-The sink runs on the worker thread, so it must only hand the event off (the server uses
+The engine is not thread-safe, so everything that touches it (tokenizing, prefill, decode,
+precompute) runs here. Callers ``submit`` a job plus a ``sink`` callback; the worker calls the sink
+with ``Started(stats)``, then ``TokenEvent``s, then one ``GenerationResult`` — or a single
+``Failed``. The sink runs on the worker thread, so it must only hand the event off (the server uses
 ``loop.call_soon_threadsafe``); a slow consumer therefore never stalls other requests.
 
 Scheduling policy: each loop admits waiting requests (prefill, one at a time) until ``max_batch``
@@ -201,17 +201,17 @@ class Scheduler:
         return bool(getattr(self.engine, "has_shadow", False))
 
     def _run_shadow(self) -> None:
-        """One shadow full prefill (fidelity targets): only while idle, so it costs no request its TTFT
-        unless one arrives during it (it then waits at most one full prefill)."""
+        """One shadow full prefill (fidelity targets): only while idle, so it costs no request its
+        TTFT unless one arrives during it (it then waits at most one full prefill)."""
         try:
             self.engine.run_shadow()
         except Exception:  # a failed check only costs a sample
             log.exception("shadow full prefill failed")
 
     def _run_deferred(self) -> None:
-        """Chunk KV a request found missing, computed right after its first token went out: off its TTFT,
-        and done before a client that waits for this answer sends its next request. (Run later, when
-        idle, it would land on the TTFT of a back-to-back client's next request.)"""
+        """Chunk KV a request found missing, computed right after its first token went out: off its
+        TTFT, and done before a client that waits for this answer sends its next request. (Run
+        later, when idle, it would land on the TTFT of a back-to-back client's next request.)"""
         if self._has_deferred():
             try:  # all at once only when nobody is decoding: a slice must not stall live streams
                 self.engine.run_deferred(None if not self._active else DEFERRED_SLICE)
@@ -219,7 +219,8 @@ class Scheduler:
                 log.exception("deferred chunk precompute failed")
 
     def _admit(self) -> None:
-        # Calls (precompute) run in queue order, interleaved with prefills; they never wait for a free slot.
+        # Calls (precompute) run in queue order, interleaved with prefills; they never wait for a
+        # free slot.
         while len(self._active) < self.max_batch:
             item = self._next_pending()
             if item is None:
@@ -249,8 +250,9 @@ class Scheduler:
             _emit(handle, Failed(e))
             return
         _emit(handle, Started(seq.stats))
-        # start() already sampled the first token: hand it out now rather than after the next batch step,
-        # which would add the prefills of every request admitted in between to this request's TTFT.
+        # start() already sampled the first token: hand it out now rather than after the next batch
+        # step, which would add the prefills of every request admitted in between to this request's
+        # TTFT.
         pending = getattr(seq, "pending", None)
         while pending:
             _emit(handle, pending.pop(0))
@@ -301,7 +303,8 @@ class Scheduler:
 
 
 def _done(seq) -> bool:
-    """Finished and every event handed out (``pending``: events produced by ``start``, see Engine.step)."""
+    """Finished and every event handed out (``pending``: events produced by ``start``, see
+    Engine.step)."""
     return bool(seq.finished) and not getattr(seq, "pending", None)
 
 

@@ -148,9 +148,10 @@ def map_engine_error(e: BaseException) -> errors.APIError:
         requested = e.requested
         if requested:
             return errors.invalid_request(
-                f"This model's maximum context length is {e.max_context_len} tokens. However, you requested "
-                f"{e.prompt_tokens + requested} tokens ({e.prompt_tokens} in the messages, {requested} in the "
-                f"completion). Please reduce the length of the messages or completion.",
+                f"This model's maximum context length is {e.max_context_len} tokens. "
+                f"However, you requested {e.prompt_tokens + requested} tokens "
+                f"({e.prompt_tokens} in the messages, {requested} in the completion). "
+                "Please reduce the length of the messages or completion.",
                 "messages",
                 "context_length_exceeded",
             )
@@ -166,7 +167,8 @@ def map_engine_error(e: BaseException) -> errors.APIError:
 
 
 class LocalStream:
-    """Consumes one request's events from the worker through an asyncio queue on the server's loop."""
+    """Consumes one request's events from the worker through an asyncio queue on the server's
+    loop."""
 
     def __init__(self, handle, queue: asyncio.Queue, stats: PrefillStats, decode=None):
         self._handle = handle
@@ -197,8 +199,8 @@ class LocalStream:
                         yield Delta(ev.text, pending if entries is not None else None)
                         pending = []
                 elif isinstance(ev, GenerationResult):
-                    # If the engine settled text differently than it streamed (e.g. held-back stop text),
-                    # send what the client has not seen yet so stream and non-stream agree.
+                    # If the engine settled text differently than it streamed (e.g. held-back stop
+                    # text), send what the client has not seen yet so stream and non-stream agree.
                     sent = "".join(streamed)
                     if ev.text.startswith(sent) and len(ev.text) > len(sent):
                         yield Delta(ev.text[len(sent) :], pending if entries is not None else None)
@@ -211,7 +213,8 @@ class LocalStream:
                 elif isinstance(ev, Failed):
                     raise map_engine_error(ev.error)
         finally:
-            self._handle.cancel()  # no-op when finished; frees the sequence when the consumer left early
+            # no-op when finished; frees the sequence when the consumer left early
+            self._handle.cancel()
 
 
 def _final(result: GenerationResult) -> Final:
@@ -261,8 +264,9 @@ class LocalBackend:
             self.scheduler.stop()
 
     def fidelity_stats(self) -> dict | None:
-        """Agreement with full prefill: the calibrated estimate for the configured target's setting and
-        the shadow-measured live one (None for stand-in engines without a fidelity controller)."""
+        """Agreement with full prefill: the calibrated estimate for the configured target's setting
+        and the shadow-measured live one (None for stand-in engines without a fidelity
+        controller)."""
         controller = getattr(self.engine, "fidelity", None)
         if controller is None:
             return None
