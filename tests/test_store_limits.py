@@ -117,6 +117,10 @@ def test_chunk_larger_than_every_budget_is_refused_with_a_reason():
                 and err["code"] == "chunk_too_large"
                 and "budget" in err["message"]
             )
+            r = c.post("/v1/chunks", json={"documents": ["short text", " \n\t "]})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert (err["param"], err["code"]) == ("documents[1]", "empty_document")
             r = c.post("/v1/chunks", json={"documents": ["short text"]})
             assert (
                 r.status_code == 200

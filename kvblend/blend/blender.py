@@ -253,14 +253,14 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
 
 
 def _layers_to_run(ops: TransformerOps, plan: PrefillPlan) -> int:
+    if plan.record_query_attention and plan.check_layers:
+        raise ValueError(
+            "record_query_attention is for plans without check layers (lookahead's reuse pass)"
+        )
     if plan.check_layers and plan.selection is None:
         raise ValueError(
             "a plan with check layers needs a selection (kvblend/blend/strategies.py "
             "create_selection)"
-        )
-    if plan.record_query_attention and plan.check_layers:
-        raise ValueError(
-            "record_query_attention is for plans without check layers (lookahead's reuse pass)"
         )
     if plan.num_layers is None or plan.num_layers == ops.num_layers:
         return ops.num_layers

@@ -16,7 +16,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Union
 
-from kvblend.blend.segmenter import build_completion_segments, build_segments_from_messages
+from kvblend.blend.segmenter import (
+    build_completion_segments,
+    build_segments_from_messages,
+    canonical_chunk,
+)
 from kvblend.config import ModelEntry, ServerConfig
 from kvblend.engine.request import (
     ContextLengthError,
@@ -332,6 +336,7 @@ class LocalBackend:
         """Tokenized on a helper thread; computed on the worker a slice at a time, so other
         requests' steps run between slices. Cancelling the caller stops before the next slice."""
         check_num_documents(len(documents), self.config.max_documents)
+        check_not_blank(documents)
         engine = self.engine
         try:
             ids = await asyncio.to_thread(
@@ -361,6 +366,18 @@ class LocalBackend:
             except Exception as e:
                 raise map_engine_error(e) from None
         return out
+
+
+def check_not_blank(documents: list[str]) -> None:
+    """400 for a document of whitespace only: it has no chunk to cache (schemathesis found the
+    500 it used to be)."""
+    for i, text in enumerate(documents):
+        if not canonical_chunk(text):
+            raise errors.invalid_request(
+                f"documents[{i}] is blank: a document to cache needs text",
+                f"documents[{i}]",
+                "empty_document",
+            )
 
 
 def document_id(text: str) -> str:
