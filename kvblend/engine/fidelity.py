@@ -28,7 +28,10 @@ CALIBRATION_VERSION = 1
 
 # selection "auto": (selection, ratio) per model family (HF model_type), where a request names no
 # ratio: each family's measured best at the paper's speed (docs/FIDELITY.md has the runs).
-FAMILY_DEFAULTS: dict[str, tuple[str, float]] = {"llama": ("lookahead", 0.1)}
+FAMILY_DEFAULTS: dict[str, tuple[str, float]] = {
+    "llama": ("lookahead", 0.1),
+    "qwen2": ("lookahead", 0.3),
+}
 AUTO_FALLBACK = ("deviation", 0.15)  # families never measured: the paper's setting
 
 
