@@ -261,3 +261,20 @@ def test_model_and_device_errors_are_one_line(tmp_path):
             proc.stderr
         )
     assert not out.exists()
+
+
+def test_policies_name_the_rows_to_run_after_full():
+    import pytest
+
+    from kvblend.bench.engine_bench import _policy_runs
+
+    runs = _policy_runs("reuse, blend@0.15, blend@0.3/lookahead:8, full, blend@0.15")
+    assert [(r.name, r.mode, r.ratio, r.selection) for r in runs] == [
+        ("full", "full", 1.0, None),
+        ("reuse", "reuse", 0.0, None),
+        ("blend@0.15", "blend", 0.15, "deviation"),
+        ("blend@0.3/lookahead:8", "blend", 0.3, "lookahead:8"),
+    ]
+    for bad in ("blend", "blend@2", "fast"):
+        with pytest.raises(SystemExit, match="--policies"):
+            _policy_runs(bad)

@@ -200,3 +200,53 @@ def test_plots_name_model_machine_and_n(tmp_path):
     plots.plot_quality_vs_ttft(report, tmp_path / "eval.png")
     assert (tmp_path / "eval.png").stat().st_size > 10_000
     assert plots._all_near_zero(report, "f1")  # this run's F1: the right panel is what informs
+
+
+def test_pareto_front_merges_the_runs_of_one_setup_and_is_drawn(tmp_path):
+    from kvblend.bench import plots
+    from kvblend.bench.report import load_results, pareto_runs
+
+    runs = pareto_runs(load_results(REPO / "bench" / "results"))
+    by_model = {(r["model"], plots._data_name(r)): r for r in runs}
+    qwen = by_model[("qwen2.5-coder-1.5b-instruct-q4_k_m", "hotpotqa")]
+    assert qwen["examples"] >= 20 and {"full", "blend@0.3/lookahead"} <= {
+        r["name"] for r in qwen["modes"]
+    }
+    smol = next(r for (model, _), r in by_model.items() if model == "smollm2-135m-instruct")
+    names = [r["name"] for r in smol["modes"]]
+    assert len(smol["files"]) > 1 and len(names) == len(set(names))  # newest row of each name
+    plots.plot_pareto(runs, tmp_path / "pareto.png")
+    assert (tmp_path / "pareto.png").stat().st_size > 10_000
+
+
+def test_fidelity_holdout_scores_the_chosen_setting_on_unseen_prompts():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "fidelity_holdout", REPO / "scripts" / "fidelity_holdout.py"
+    )
+    holdout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(holdout)
+
+    def row(name, mode, ratio, agree, ttft):
+        pe = {"first_token_agree": agree, "ttft_ms": ttft, "first_token_kl_vs_full": [0.1] * 40}
+        return {"name": name, "mode": mode, "ratio": ratio, "selection": "lookahead"} | {
+            "per_example": pe
+        }
+
+    result = {
+        "model": "m",
+        "dtype": "bfloat16",
+        "data": "musique",
+        "modes": [
+            row("full", "full", 1.0, [1.0] * 40, [100.0] * 40),
+            row("blend@0.3/lookahead", "blend", 0.3, [1.0] * 40, [25.0] * 40),  # 4x, all agree
+            row("blend@0.1/lookahead", "blend", 0.1, [1.0, 1.0, 0.0, 0.0] * 10, [10.0] * 40),
+        ],
+    }
+    # blend@0.1 (10x) agrees on half the prompts of each fold: its 90% lower bound on 20
+    # prompts (0.36) serves 0.3, not 0.9
+    low, high = holdout.holdout(result, [0.3, 0.9], num_folds=2)
+    assert (low["heldout_agreement"], low["heldout_speedup_median"]) == (0.5, 10.0)
+    assert (high["heldout_agreement"], high["heldout_speedup_median"]) == (1.0, 4.0)
+    assert all(f["ratio"] == 0.3 for f in high["folds"])
