@@ -125,7 +125,9 @@ class BlendConfig:
     """Defaults for the prefill path; a request may override mode and ratio."""
 
     mode: str = "blend"
-    recompute_ratio: float = 0.15
+    # None: the selection's own default (selection "auto": the family's measured ratio; any other
+    # selection: DEFAULT_RATIO, the paper's 0.15).
+    recompute_ratio: float | None = None
     # Layers where token deviation is measured. One entry = the paper's single check layer; several
     # with shrinking check_ratios = gradual filtering. Empty: the deviation's first useful layer, 1
     # for the KV kinds (layer-0 KV is context-free), 0 for "attn".
@@ -136,8 +138,10 @@ class BlendConfig:
     # (experimental: lookahead dominates it): the tokens the query rows attend to most at the check
     # layer (query-aware, as in A3, arXiv 2511.17560). "lookahead": the tokens the query attends to
     # most over all layers of a reuse pass run first; they are recomputed from layer 0 (no check
-    # layer). Each is a strategy in kvblend/blend/strategies.py.
-    selection: str = "deviation"
+    # layer). Each is a strategy in kvblend/blend/strategies.py. "auto" (the default): the model
+    # family's measured best (kvblend/engine/fidelity.py FAMILY_DEFAULTS), deviation for families
+    # never measured.
+    selection: str = "auto"
     # How many layers (from layer 0) lookahead's reuse pass runs and sums the query's attention
     # over; 0 = every layer. Fewer layers make the pass cheaper and the ranking coarser
     # (CHANGELOG.md: "Token selection, measured"); a request may override it.
@@ -161,7 +165,8 @@ class BlendConfig:
                 f"fidelity_shadow_every must be >= 0, got {self.fidelity_shadow_every}"
             )
         validate_mode(self.mode)
-        validate_ratio(self.recompute_ratio)
+        if self.recompute_ratio is not None:
+            validate_ratio(self.recompute_ratio)
         if self.deviation not in DEVIATION_KINDS:
             raise ValueError(f"deviation must be one of {DEVIATION_KINDS}, got {self.deviation!r}")
         first_layer = 0 if self.deviation == "attn" else 1

@@ -35,6 +35,7 @@ PREFILL_MODES = tuple(m.value for m in Mode)
 SELECTION_KINDS = tuple(s.value for s in Selection if s is not Selection.AUTO)
 SELECTION_PRESETS = (Selection.AUTO.value,)
 DEFAULT = "default"  # a policy that names nothing: the server's or engine's own default
+DEFAULT_RATIO = 0.15  # the paper's; a selection other than auto with no ratio named runs it
 
 
 def validate_mode(mode: str) -> Mode:
@@ -170,7 +171,7 @@ class PrefillPolicy:
         return out
 
     def with_defaults(
-        self, mode: str, ratio: float, selection: str, lookahead_layers: int
+        self, mode: str, ratio: float | None, selection: str, lookahead_layers: int
     ) -> PrefillPolicy:
         """Every field None here taken from the given defaults."""
         return replace(

@@ -20,6 +20,8 @@ Extra schemes (references for the engine's options):
                    logits)
   wide             lookahead's ranking picks 2x the budget from layer 0; a query check at the middle
                    layer keeps the budget from there on (per-layer budgets: cost ~1.5x the ratio)
+  tailN            lookahead's rows recomputed up to the last N layers only, which reuse every
+                   chunk row's stored KV (cost ~(L-N)/L of the ratio's)
   ctxprefix        chunks precomputed behind the whole prompt prefix (template + instruction)
                    instead of the template's opening only; reuse and lookahead
 Timing is not measured here (see `kvblend bench engine`); this is the fidelity side only.
@@ -149,6 +151,11 @@ def extra_logits(
         middle = p.ops.num_layers // 2
         return p.blend(
             wide, check_layers=(middle,), check_keep=(num_keep,), selection=QuerySelection()
+        )
+    if variant.startswith("tail"):  # the last N layers reuse every chunk row's stored KV
+        first_stale = p.ops.num_layers - int(variant.removeprefix("tail"))
+        return p.blend(
+            chosen, check_layers=(first_stale,), check_keep=(0,), selection=QuerySelection()
         )
     raise ValueError(variant)
 

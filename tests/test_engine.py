@@ -427,27 +427,27 @@ def test_attention_check_keeps_the_rows_the_other_chunks_move_most():
         ValueError, match="chunk_spans"
     ):  # a plan that cannot say what a row's chunk is
         run_prefill(ops, replace(plan, chunk_spans=tuple(spans[1:])), KVCache.allocate(ops, T))
-    with no_blended_prefix(engine), blend_config(engine, deviation="attn"):
+    with no_blended_prefix(engine), blend_config(engine, deviation="attn", selection="deviation"):
         blend = _first(engine, segs, "blend", 0.15)
     assert blend.stats.recomputed_tokens == num_keep and blend.stats.chunks_hit == 4
 
 
 def test_blended_prefix_is_reused_by_the_next_question():
     """Same instruction + documents, new question: the earlier blend's chunk KV (chained keys) is
-    reused as is, and gives what blending from scratch gives (chunk KV never
-    depends on the query)."""
+    reused as is, and gives what blending from scratch gives (deviation's rows never depend on the
+    query; lookahead's do)."""
     engine = embedded_engine("float32")
     engine.store = MemoryStore()
     docs, _ = musique_docs(3, 4)
     first = engine.segments(docs, "Question: who is mentioned first?", instruction=INSTRUCTION)
     second = engine.segments(docs, "Question: which year appears?", instruction=INSTRUCTION)
     engine.precompute(first.chunk_ids)
-    _first(engine, first, "blend", 0.15)
-    reused = _first(engine, second, "blend", 0.15)
+    _first(engine, first, "blend", 0.15, selection="deviation")
+    reused = _first(engine, second, "blend", 0.15, selection="deviation")
     assert reused.stats.chunks_hit == 4 and reused.stats.recomputed_tokens == 0
     assert reused.stats.fresh_tokens == len(second.query_ids)
     with no_blended_prefix(engine):
-        scratch = _first(engine, second, "blend", 0.15)
+        scratch = _first(engine, second, "blend", 0.15, selection="deviation")
     assert scratch.stats.recomputed_tokens > 0
     assert (reused.first_token_logits - scratch.first_token_logits).abs().max().item() <= FP32_ATOL
     # another selection blends other rows: it never takes the deviation selection's blended KV
@@ -875,3 +875,28 @@ def test_mlp_in_row_blocks_equals_one_call(tmp_path, monkeypatch):
     assert len(transformer.mlp_row_blocks(100, torch.float32)) == 4
     for i in range(ops.num_layers):
         torch.testing.assert_close(ops.finish_layer(i, h, attn), whole[i], atol=1e-6, rtol=0)
+
+
+def test_default_selection_is_the_family_s_measured_best():
+    """BlendConfig's default selection is auto: a Llama model runs lookahead@0.1 where nothing
+    names a ratio; a ratio in the config or the request keeps lookahead; an explicit selection
+    without a ratio runs the paper's 0.15."""
+    engine = embedded_engine("float32")
+    assert engine.loaded.model_type == "llama"
+    assert engine.default_policy.label == "blend@0.1/lookahead"
+    engine.store = MemoryStore()
+    segs = _segments(engine, order=(0, 2, 1, 3))
+    engine.precompute(segs.chunk_ids)
+    chunk_tokens = sum(map(len, segs.chunk_ids))
+    with no_blended_prefix(engine):
+        stats = _first(engine, segs, "blend", ratio=None).stats
+        assert (stats.selection, stats.recompute_ratio) == ("lookahead", 0.1)
+        assert stats.recomputed_tokens == pytest.approx(0.1 * chunk_tokens, abs=1)
+        stats = _first(engine, segs, "blend", ratio=0.2).stats
+        assert (stats.selection, stats.recompute_ratio) == ("lookahead", 0.2)
+        stats = _first(engine, segs, "blend", ratio=None, selection="deviation").stats
+        assert (stats.selection, stats.recompute_ratio) == ("deviation", 0.15)
+        with blend_config(engine, recompute_ratio=0.3):
+            assert engine.default_policy.label == "blend@0.3/lookahead"
+        with blend_config(engine, selection="deviation"):
+            assert engine.default_policy.label == "blend@0.15/deviation"

@@ -190,6 +190,41 @@ def test_report_renders_every_kind_of_result(tmp_path):
     assert "| smollm2-135m-instruct |" in headline(results)
 
 
+def test_headline_shows_each_family_s_default_policy():
+    from pathlib import Path
+
+    from kvblend.bench.report import default_policy_label, headline
+
+    assert default_policy_label("llama") == "blend@0.1/lookahead"
+    assert default_policy_label("qwen2") == "blend@0.3/lookahead"
+    assert default_policy_label(None) == default_policy_label("gemma") == "blend@0.15"
+
+    def run(model, model_type, names):
+        modes = [
+            {
+                "name": name,
+                "ttft_median_ms": 1000.0 / (i + 1),
+                "speedup_paired_median": float(i + 1),
+                "first_token_agreement": 1.0 - i / 10,
+                "first_token_kl_vs_full": i / 100,
+                "rouge_l_vs_full": 1.0,
+            }
+            for i, name in enumerate(names)
+        ]
+        data = {"bench": "engine", "model": model, "examples": 20, "dtype": "bfloat16"}
+        return Path(f"{model}.json"), {**data, "model_type": model_type, "modes": modes}
+
+    table = headline(
+        [
+            run("llama-m", "llama", ["full", "blend@0.15", "blend@0.1/lookahead"]),
+            run("old-m", None, ["full", "blend@0.15", "blend@0.1/lookahead"]),
+        ]
+    )
+    llama_row, old_row = [line for line in table.splitlines() if line.endswith(".json` |")]
+    assert "`blend@0.1/lookahead` | 333 | 3.00x | 80% | 0.020 |" in llama_row
+    assert "`blend@0.15` | 500 | 2.00x | 90% | 0.010 |" in old_row
+
+
 def test_plots_name_model_machine_and_n(tmp_path):
     from kvblend.bench import plots
 

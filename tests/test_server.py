@@ -181,7 +181,7 @@ def test_mode_and_ratio_overrides(client):
     assert (
         kv(r)["mode"] == "blend"
         and kv(r)["recompute_ratio"] == 0.5
-        and kv(r)["selection"] == "deviation"
+        and kv(r)["selection"] == "lookahead"  # auto keeps the Llama family's selection
     )
     r = chat(
         client,

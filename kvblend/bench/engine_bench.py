@@ -311,6 +311,8 @@ def run(args) -> int:
         "bench": "engine",
         "model": engine.model_id,
         "model_dir": str(engine.loaded.model_dir),
+        "model_type": engine.loaded.model_type,  # the family: selection auto's key
+        "default_policy": engine.default_policy.label,  # what a request naming none runs
         "dtype": cfg.model.dtype,
         "device": cfg.model.device,
         "device_name": _device_name(cfg.model.device),
@@ -455,6 +457,8 @@ def pool_results(paths: list[str]) -> dict:
         k: _setting(first, k)
         for k in ("bench", "model", "model_dir", *POOL_SAME, "threads", "device_name")
     }
+    for key in ("model_type", "default_policy"):  # parts written before these were recorded
+        pooled[key] = next((part[key] for _, part in parts if part.get(key)), None)
     pooled.update(
         {
             "examples": sum(part["examples"] for _, part in parts),

@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ratio",
         type=float,
         default=None,
-        help="blend recompute ratio in [0, 1] (default: the engine's, 0.15)",
+        help="blend recompute ratio in [0, 1] (default: the selection's; auto: the model family's)",
     )
     p.add_argument(
         "--fidelity",
@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "deviation (largest KV deviation at the check layer) "
         "or lookahead (most attended by the query over all layers of a reuse pass run first; "
         "lookahead:N over its first N); experimental, dominated by lookahead: query (most attended "
-        "by the query at the check layer); default: the engine's",
+        "by the query at the check layer), or auto (the model family's measured best; default)",
     )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)

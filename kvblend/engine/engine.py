@@ -51,7 +51,13 @@ from kvblend.kernels import (
 )
 from kvblend.models.loader import EMBEDDED_MODEL_ID, LoadedModel, load_model
 from kvblend.models.transformer import TransformerOps
-from kvblend.policy import Mode, PrefillPolicy, Selection, validate_lookahead_layers
+from kvblend.policy import (
+    DEFAULT_RATIO,
+    Mode,
+    PrefillPolicy,
+    Selection,
+    validate_lookahead_layers,
+)
 from kvblend.store.base import ChunkKV, KVStore
 from kvblend.store.memory import MemoryStore
 from kvblend.store.reader import KVReadError
@@ -289,20 +295,11 @@ class Engine:
                 setting.mode, setting.ratio, setting.selection or Selection.DEVIATION
             )  # full: unused
         else:
-            chosen = asked.with_defaults(
+            chosen = asked
+        chosen = self._resolve_auto(
+            chosen.with_defaults(
                 mode, blend.recompute_ratio, blend.selection, blend.lookahead_layers
             )
-            if (
-                chosen.selection == Selection.AUTO
-            ):  # the family's measured best; the request's ratio wins
-                kind, family_ratio = FAMILY_DEFAULTS.get(self.loaded.model_type, AUTO_FALLBACK)
-                chosen = replace(
-                    chosen,
-                    selection=Selection(kind),
-                    ratio=family_ratio if asked.ratio is None else chosen.ratio,
-                )
-        chosen = chosen.with_defaults(
-            mode, blend.recompute_ratio, blend.selection, blend.lookahead_layers
         )
         depth = validate_lookahead_layers(chosen.lookahead_layers)
         # A depth of the whole model or more is every layer: one spelling (0), so one chained-key
@@ -310,6 +307,25 @@ class Engine:
         return replace(
             chosen, lookahead_layers=0 if depth >= self.ops.num_layers else depth
         ), setting
+
+    @property
+    def default_policy(self) -> PrefillPolicy:
+        """What a request naming no policy runs (without a fidelity target)."""
+        blend = self.config.blend
+        return self._resolve_auto(
+            PrefillPolicy().with_defaults(
+                blend.mode, blend.recompute_ratio, blend.selection, blend.lookahead_layers
+            )
+        )
+
+    def _resolve_auto(self, policy: PrefillPolicy) -> PrefillPolicy:
+        """Selection auto is the family's measured (selection, ratio); a ratio named by the
+        request or the config wins. Any other selection with no ratio named runs DEFAULT_RATIO."""
+        if policy.selection == Selection.AUTO:
+            kind, family_ratio = FAMILY_DEFAULTS.get(self.loaded.model_type, AUTO_FALLBACK)
+            ratio = family_ratio if policy.ratio is None else policy.ratio
+            return replace(policy, selection=Selection(kind), ratio=ratio)
+        return policy if policy.ratio is not None else replace(policy, ratio=DEFAULT_RATIO)
 
     # ---- fidelity: shadow full prefills --------------------------------------------------------
     def _maybe_shadow(

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvblend.config import validate_fidelity  # noqa: F401  (re-exported for callers here)
+from kvblend.policy import DEFAULT_RATIO
 
 CALIBRATION_VERSION = 1
 
@@ -32,7 +33,7 @@ FAMILY_DEFAULTS: dict[str, tuple[str, float]] = {
     "llama": ("lookahead", 0.1),
     "qwen2": ("lookahead", 0.3),
 }
-AUTO_FALLBACK = ("deviation", 0.15)  # families never measured: the paper's setting
+AUTO_FALLBACK = ("deviation", DEFAULT_RATIO)  # families never measured: the paper's setting
 
 
 def calibration_path(cache_dir: Path, model_dir: Path, dtype: str) -> Path:

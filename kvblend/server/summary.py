@@ -13,10 +13,12 @@ def describe_backend(backend) -> str:
         return f"{backend.id}: upstream {getattr(backend, 'base_url', '')}"
     model_cfg = engine.config.model
     blend = engine.config.blend
+    prefill = engine.default_policy.label
+    if blend.fidelity is not None:
+        prefill = f"fidelity {blend.fidelity:g} (else {prefill})"
     return (
         f"{backend.id}: {model_cfg.dtype} on {model_cfg.device}, attention "
-        f"{engine.attention_kernel}, {blend.mode}@{blend.recompute_ratio:g} ({blend.selection}), "
-        f"context {engine.max_context_len}"
+        f"{engine.attention_kernel}, prefill {prefill}, context {engine.max_context_len}"
     )
 
 
