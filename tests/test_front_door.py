@@ -123,7 +123,10 @@ def test_client_key_variable_does_not_switch_server_auth_on(kvblend_server_facto
     assert "no longer turns server auth on" in logs
     summary = logs[logs.index("kvblend " + kvblend.__version__ + " serving at") :]
     assert f"serving at {server.base_url}/v1" in summary
-    assert re.search(r"model smollm2-135m-instruct: \w+ on cpu, attention \w+, blend@0.15", summary)
+    assert re.search(
+        r"model smollm2-135m-instruct: \w+ on cpu, attention \w+, prefill blend@0.1/lookahead,",
+        summary,
+    )  # selection auto resolved for the Llama family
     assert "auth: off" in summary and "store: memory " in summary
 
 
