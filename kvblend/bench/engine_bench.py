@@ -312,7 +312,10 @@ def run(args) -> int:
         "model": engine.model_id,
         "model_dir": str(engine.loaded.model_dir),
         "model_type": engine.loaded.model_type,  # the family: selection auto's key
-        "default_policy": engine.default_policy.label,  # what a request naming none runs
+        # the row a request naming no policy runs
+        "default_policy": blend_row_name(
+            engine.default_policy.ratio, engine.default_policy.selection_label
+        ),
         "dtype": cfg.model.dtype,
         "device": cfg.model.device,
         "device_name": _device_name(cfg.model.device),
@@ -347,7 +350,7 @@ def _grid_runs(modes: list[str], ratios: list[float], selections: list[str]) -> 
         ModeRun(m, m, 1.0 if m == "prefix" else 0.0) for m in ("prefix", "reuse") if m in modes
     ]
     return runs + [
-        ModeRun(_blend_name(r, sel), "blend", r, sel)
+        ModeRun(blend_row_name(r, sel), "blend", r, sel)
         for r in (ratios if "blend" in modes else [])
         for sel in selections
     ]
@@ -368,7 +371,7 @@ def _policy_runs(text: str) -> list[ModeRun]:
                 raise SystemExit(f"kvblend bench engine: --policies {spelling!r} needs a ratio")
             selection = policy.selection_label or "deviation"
             runs.append(
-                ModeRun(_blend_name(policy.ratio, selection), "blend", policy.ratio, selection)
+                ModeRun(blend_row_name(policy.ratio, selection), "blend", policy.ratio, selection)
             )
         else:
             runs.append(
@@ -623,7 +626,8 @@ def _row_selection(row: dict) -> str | None:
     return row.get("selection") or ("deviation" if row["mode"] == "blend" else None)
 
 
-def _blend_name(ratio: float, selection: str) -> str:
+def blend_row_name(ratio: float, selection: str) -> str:
+    """A blend row's name in results: "blend@0.15" (deviation), "blend@0.3/lookahead"."""
     return f"blend@{ratio:g}" + ("" if selection == "deviation" else f"/{selection}")
 
 
