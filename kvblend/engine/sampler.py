@@ -23,10 +23,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.temperature == 0:
         return int(torch.argmax(logits).item())
     probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
+    if not bool(torch.isfinite(probs).all()):  # a temperature so small the logits overflow
+        return int(torch.argmax(logits).item())  # its limit: greedy
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest head whose mass reaches top_p (the first token always stays).
+        # Keep the smallest head whose mass reaches top_p.
         cut = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        cut[0] = False  # the first token always stays, even where top_p rounds to 0 in float32
         sorted_probs[cut] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator).item())
