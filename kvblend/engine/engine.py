@@ -25,12 +25,11 @@ from kvblend.blend.segmenter import Segments, build_segments, encode, render_tem
 from kvblend.config import EngineConfig, validate_fidelity
 from kvblend.engine.detokenizer import Detokenizer
 from kvblend.engine.fidelity import (
-    AUTO_FALLBACK,
-    FAMILY_DEFAULTS,
     Calibration,
     FidelityController,
     Setting,
     calibration_path,
+    family_default,
 )
 from kvblend.engine.planner import PrefillPlanner, account
 from kvblend.engine.request import (
@@ -296,11 +295,7 @@ class Engine:
             )  # full: unused
         else:
             chosen = asked
-        chosen = self._resolve_auto(
-            chosen.with_defaults(
-                mode, blend.recompute_ratio, blend.selection, blend.lookahead_layers
-            )
-        )
+        chosen = self._complete(chosen)
         depth = validate_lookahead_layers(chosen.lookahead_layers)
         # A depth of the whole model or more is every layer: one spelling (0), so one chained-key
         # tag.
@@ -311,18 +306,18 @@ class Engine:
     @property
     def default_policy(self) -> PrefillPolicy:
         """What a request naming no policy runs (without a fidelity target)."""
-        blend = self.config.blend
-        return self._resolve_auto(
-            PrefillPolicy().with_defaults(
-                blend.mode, blend.recompute_ratio, blend.selection, blend.lookahead_layers
-            )
-        )
+        return self._complete(PrefillPolicy())
 
-    def _resolve_auto(self, policy: PrefillPolicy) -> PrefillPolicy:
-        """Selection auto is the family's measured (selection, ratio); a ratio named by the
-        request or the config wins. Any other selection with no ratio named runs DEFAULT_RATIO."""
+    def _complete(self, policy: PrefillPolicy) -> PrefillPolicy:
+        """``policy``'s fields left None taken from BlendConfig, then selection auto resolved:
+        the family's measured (selection, ratio), a ratio named by the request or the config
+        winning. Any other selection with no ratio named runs DEFAULT_RATIO."""
+        blend = self.config.blend
+        policy = policy.with_defaults(
+            blend.mode, blend.recompute_ratio, blend.selection, blend.lookahead_layers
+        )
         if policy.selection == Selection.AUTO:
-            kind, family_ratio = FAMILY_DEFAULTS.get(self.loaded.model_type, AUTO_FALLBACK)
+            kind, family_ratio = family_default(self.loaded.model_type)
             ratio = family_ratio if policy.ratio is None else policy.ratio
             return replace(policy, selection=Selection(kind), ratio=ratio)
         return policy if policy.ratio is not None else replace(policy, ratio=DEFAULT_RATIO)

@@ -36,6 +36,11 @@ FAMILY_DEFAULTS: dict[str, tuple[str, float]] = {
 AUTO_FALLBACK = ("deviation", DEFAULT_RATIO)  # families never measured: the paper's setting
 
 
+def family_default(model_type: str | None) -> tuple[str, float]:
+    """(selection, ratio) that selection auto runs on ``model_type``'s family."""
+    return FAMILY_DEFAULTS.get(model_type or "", AUTO_FALLBACK)
+
+
 def calibration_path(cache_dir: Path, model_dir: Path, dtype: str) -> Path:
     """``<cache_dir>/calibration/<weights dir name>-<dtype>.json``: beside the converted weights
     cache (``<cache_dir>/models/<name>``), keyed by dtype too (bf16 and fp32 blends differ)."""
