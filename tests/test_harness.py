@@ -174,6 +174,22 @@ def test_scenario_prompts():
     assert len({c[0] for c in first_chunks}) == 4 and len({c[1] for c in first_chunks}) == 4
 
 
+def test_decode_ms_per_token_is_time_after_the_first_token_over_the_tokens_after_it():
+    from kvblend.client.stream import StreamResult
+
+    r = StreamResult(ttft_s=0.1, total_s=0.4, completion_tokens=4)
+    assert ttft.decode_ms_per_token(r) == pytest.approx(100.0)
+    # one token, no usage, no first token: nothing to time
+    for bad in (
+        StreamResult(ttft_s=0.1, total_s=0.4, completion_tokens=1),
+        StreamResult(ttft_s=0.1, total_s=0.4, completion_tokens=None),
+        StreamResult(ttft_s=None, total_s=0.4, completion_tokens=4),
+    ):
+        assert ttft.decode_ms_per_token(bad) is None
+    summary = ttft.summarize_results([r, bad])
+    assert summary["decode_ms_per_token"]["n"] == 1
+
+
 # --- benchmarks against the stand-in --------------------------------------------------------------
 
 
@@ -208,6 +224,7 @@ def test_bench_ttft_writes_three_scenarios(server, auth, dataset, tmp_path, caps
     assert set(ep["scenarios"]) == set(ttft.SCENARIOS)
     for s in ep["scenarios"].values():
         assert s["requests"] == 2 and s["errors"] == 0 and s["ttft_ms"]["p95"] is not None
+        assert "decode_ms_per_token" in s
     assert (
         ep["scenarios"]["prefix_hit"]["cached_share"] > 0.5
     )  # warm-up filled the stand-in's chunk cache

@@ -100,6 +100,7 @@ def ttft_section(path: Path, data: dict) -> str:
                         t["p50"],
                         t["p95"],
                         s.get("cached_share"),
+                        (s.get("decode_ms_per_token") or {}).get("p50"),
                         s["errors"],
                     ]
                 )
@@ -112,6 +113,7 @@ def ttft_section(path: Path, data: dict) -> str:
             "TTFT p50 (ms)",
             "TTFT p95 (ms)",
             "cached share",
+            "decode ms/token p50",
             "errors",
         ],
         rows,

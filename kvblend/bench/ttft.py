@@ -123,15 +123,25 @@ def summarize_results(results: list[StreamResult]) -> dict:
         "first_error": next((r.error for r in results if not r.ok), None),
         "ttft_ms": summarize([ms(r.ttft_s) for r in ok]).to_dict(),
         "total_ms": summarize([ms(r.total_s) for r in ok]).to_dict(),
+        "decode_ms_per_token": summarize([decode_ms_per_token(r) for r in ok]).to_dict(),
         "prompt_tokens_mean": sum(prompt_tokens) / len(prompt_tokens) if prompt_tokens else None,
         "cached_share": cached_share,
     }
+
+
+def decode_ms_per_token(r: StreamResult) -> float | None:
+    """Time from the first content delta to the end over the tokens after the first, from the
+    server's usage; None where a request gave fewer than two tokens or no usage."""
+    if r.ttft_s is None or not r.completion_tokens or r.completion_tokens < 2:
+        return None
+    return ms(r.total_s - r.ttft_s) / (r.completion_tokens - 1)
 
 
 def _record(r: StreamResult) -> dict:
     return {
         "ttft_ms": ms(r.ttft_s),
         "total_ms": ms(r.total_s),
+        "decode_ms_per_token": decode_ms_per_token(r),
         "prompt_tokens": r.prompt_tokens,
         "cached_tokens": r.cached_tokens,
         "completion_tokens": r.completion_tokens,
@@ -223,6 +233,7 @@ def table(report: dict) -> str:
                     t["p95"],
                     share,
                     s["prompt_tokens_mean"],
+                    (s.get("decode_ms_per_token") or {}).get("p50"),
                 ]
             )
     return markdown_table(
@@ -236,6 +247,7 @@ def table(report: dict) -> str:
             "p95 ms",
             "cached share",
             "prompt tokens",
+            "decode ms/token p50",
         ],
         rows,
     )
