@@ -186,7 +186,8 @@ class FakeTokenizer:
     def __len__(self) -> int:
         return 64  # the vocabulary: ids are word lengths
 
-    def decode(self, ids: list[int], **_) -> str:
+    def decode(self, ids: list[int] | int, **_) -> str:  # an int too, as HF tokenizers take
+        ids = [ids] if isinstance(ids, int) else ids
         return " ".join("w" * max(int(i), 1) for i in ids)
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True) -> str:
@@ -254,7 +255,11 @@ class FakeEngine:
         seq.text += text
         if len(seq.generated) >= seq.request.sampling.max_tokens:
             seq.finished = True
-        return TokenEvent(i, text, i)
+        top_k = seq.request.sampling.logprobs
+        if top_k is None:
+            return TokenEvent(i, text, i)
+        # as the real engine reports them: the token's logprob and the top k, most likely first
+        return TokenEvent(i, text, i, -0.5, [(j, -0.5 - j) for j in range(top_k)])
 
     def step(self, seqs):
         self.batch_sizes.append(len(seqs))
