@@ -40,13 +40,11 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--report-dir", default="bench/results/fuzz")
-    p.add_argument(
-        "extra",
-        nargs=argparse.REMAINDER,
-        help="after --: schemathesis flags, e.g. -- --include-path-regex '/v1/(chat/)?completions'"
-        " to split the operations over two processes (schemathesis runs on one core)",
-    )
-    args = p.parse_args()
+    argv = sys.argv[1:]
+    # after "--": schemathesis flags, e.g. -- --include-path-regex '^/v1/messages$', to split the
+    # operations over two processes (schemathesis generates cases on one core)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, extra = p.parse_args(argv[:cut]), argv[cut + 1 :]
     here = Path(sys.executable).parent  # the venv this script runs in, even when it is not on PATH
     exe = shutil.which("schemathesis", path=str(here)) or shutil.which("schemathesis")
     if exe is None:
@@ -76,7 +74,7 @@ def main() -> int:
         cmd += ["-H", f"Authorization: Bearer {args.key}"]
     if args.seed is not None:
         cmd += ["--seed", str(args.seed)]
-    cmd += [a for a in args.extra if a != "--"]
+    cmd += extra
     # this file is also the hooks module: schemathesis imports it by name from its directory
     path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "SCHEMATHESIS_HOOKS": Path(__file__).stem, "PYTHONPATH": path}
