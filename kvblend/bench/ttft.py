@@ -233,7 +233,7 @@ def table(report: dict) -> str:
                     t["p95"],
                     share,
                     s["prompt_tokens_mean"],
-                    (s.get("decode_ms_per_token") or {}).get("p50"),
+                    s["decode_ms_per_token"]["p50"],
                 ]
             )
     return markdown_table(
