@@ -475,6 +475,35 @@ def test_missing_chunks_are_prefilled_in_context_then_stored():
     assert warm.stats.chunks_hit == 4 and warm.stats.recomputed_tokens > 0
 
 
+def test_deferred_chunks_computed_a_layer_at_a_time_equal_chunks_computed_at_once():
+    """Deferred chunk work paused after every layer (run_deferred with no time to spare), with a
+    decoding step and another request's prefill between its calls, stores exactly the KV a
+    chunk computed in one go has: pausing loses nothing, and nothing it holds is shared."""
+    engine = embedded_engine("float32")
+    engine.store = MemoryStore()
+    segs = _segments(engine, order=(3, 2, 1, 0))
+    with no_blended_prefix(engine):
+        seq = engine.start(
+            GenerationRequest(
+                segs, SamplingParams(max_tokens=4), mode="blend", recompute_ratio=0.15
+            )
+        )
+        calls = 0
+        while engine.has_deferred:
+            assert engine.run_deferred(0.0) in (0, 1)  # one layer a call: at most one chunk ends
+            calls += 1
+            if calls == 5:
+                engine.step([seq])
+            if calls == 7:  # another request in between (its chunks are missing too: deferred)
+                other = _segments(engine, order=(0, 1))
+                engine.start(GenerationRequest(other, SamplingParams(max_tokens=1), mode="full"))
+    # a layer a call, then one call that stores the last chunk (a chunk is known done at its end)
+    assert calls == len(segs.chunk_ids) * engine.ops.num_layers + 1
+    for ids in segs.chunk_ids:
+        stored, fresh = engine.store.get(engine.chunk_key(ids)), engine._compute_chunk(ids)
+        assert torch.equal(stored.k, fresh.k) and torch.equal(stored.v, fresh.v)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_decoding_matches_transformers_generate(device):
     engine = embedded_engine("float32", device=device)

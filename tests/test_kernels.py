@@ -294,6 +294,49 @@ def test_linear_refuses_shapes_it_does_not_take(kernel):
         kernel.linear(torch.zeros(3, 32, dtype=kernel.dtype), packed, 1)
 
 
+@pytest.mark.parametrize("num_rows", [1, 3, 16])
+@pytest.mark.parametrize("num_out,num_in", [(576, 1536), (1537, 896), (5, 40)])
+def test_gemv_matches_fp32_math_rounded_once(kernel, num_rows, num_out, num_in):
+    """The bf16 builds' few-row projection (decoding), on the module's own weight: within one bf16
+    rounding of fp32 math, with a bias in fp32 and the residual added after the rounding, as
+    F.linear then torch.add round. Shapes cover SmolLM2's and Qwen's widths, an output count past
+    whole blocks of 4 weight rows, an input width past whole 32-element steps, and strided rows
+    (a slice of a fused weight, an MLP row block)."""
+    if not kernel.has_gemv:
+        pytest.skip(f"the {kernel.name} build has no gemv kernel")
+    gen = torch.Generator().manual_seed(num_rows * 7 + num_out)
+    fused = torch.randn(num_out + 8, num_in + 16, generator=gen).div(40).to(kernel.dtype)
+    w = fused[4 : 4 + num_out, :num_in]  # [N, K], row stride K + 16
+    bias = torch.randn(num_out, generator=gen).to(kernel.dtype)
+    x = torch.randn(num_rows, num_in + 32, generator=gen).to(kernel.dtype)[:, :num_in]
+    ref = x.float() @ w.float().t() + bias.float()
+    ulp = ref.abs().clamp_min(1e-3) / 128
+    for num_threads in (1, 2):
+        out = kernel.gemv(x, w, bias, num_threads)
+        assert out.shape == (num_rows, num_out)
+        assert bool(((out.float() - ref).abs() <= ulp).all())
+        assert (out == ref.to(kernel.dtype)).float().mean().item() > 0.98
+    no_bias = kernel.gemv(x, w, None, 2)
+    assert bool(((no_bias.float() - (ref - bias.float())).abs() <= ulp + 1 / 128).all())
+    residual = torch.randn(num_rows, num_out, generator=gen).to(kernel.dtype)
+    into = torch.zeros(num_rows, num_out + 8, dtype=kernel.dtype)[:, :num_out]
+    summed = kernel.gemv(x, w, bias, 2, residual, into)
+    assert summed is into and torch.equal(summed, residual + kernel.gemv(x, w, bias, 2))
+
+
+def test_gemv_refuses_what_it_does_not_take(kernel):
+    if not kernel.has_gemv:
+        pytest.skip(f"the {kernel.name} build has no gemv kernel")
+    w = torch.zeros(8, 64, dtype=kernel.dtype)
+    too_many = torch.zeros(kernel.gemv_max_rows + 1, 64, dtype=kernel.dtype)
+    with pytest.raises(ValueError, match="rows"):
+        kernel.gemv(too_many, w, None, 1)
+    with pytest.raises(ValueError, match=r"x must be .*\[rows, 64\]"):
+        kernel.gemv(torch.zeros(1, 32, dtype=kernel.dtype), w, None, 1)
+    with pytest.raises(ValueError, match="CPU tensor"):
+        kernel.gemv(torch.zeros(1, 64), w, None, 1)
+
+
 def _check_decode(kernel, head_dim: int, num_keys: int, num_kv_heads: int, rep: int) -> None:
     """One decoding row over a cache's rotated keys, read in place (heads strided by the cache's
     capacity), on 1 and 2 threads: within the bf16 output tolerance of fp64 attention."""

@@ -8,6 +8,7 @@ are httpx.MockTransport stand-ins as in test_gateway_unit."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -341,36 +342,48 @@ def test_health_hides_upstream_addresses_without_a_key(monkeypatch):
 
 class DeferringEngine(FakeEngine):
     """Every prefill leaves six missing chunks to compute later (as blend requests with
-    new documents do)."""
+    new documents do); each call computes two of them and records its time budget and whether a
+    stream was decoding."""
 
     def __init__(self):
         super().__init__()
         self.left, self.calls = 0, []
+        self.decoding = 0
 
     @property
     def has_deferred(self) -> bool:
         return self.left > 0
 
-    def run_deferred(self, max_items=None) -> int:
-        n = self.left if max_items is None else min(max_items, self.left)
-        self.calls.append(max_items)
+    def run_deferred(self, budget_s=None) -> int:
+        n = min(2, self.left)
+        self.calls.append((budget_s, self.decoding))
         self.left -= n
         return n
 
     def start(self, req):
         seq = super().start(req)
         self.left += 6
+        self.decoding += not seq.finished
         return seq
 
+    def step(self, seqs):
+        self.decoding = len(seqs)
+        events = super().step(seqs)
+        self.decoding = sum(not s.finished for s in seqs)
+        return events
 
-def test_deferred_chunks_are_computed_a_slice_a_turn_while_a_stream_decodes():
+
+def test_deferred_chunks_are_computed_in_time_slices_while_a_stream_decodes():
+    """Deferred chunk work never runs unbounded: while a stream decodes each call gets a share
+    of the last decoding step's time, when idle a short slice; all of it gets done."""
     import threading
 
     from kvblend.blend.segmenter import Segments
     from kvblend.engine.request import GenerationRequest, GenerationResult, SamplingParams
-    from kvblend.engine.scheduler import DEFERRED_SLICE, Scheduler
+    from kvblend.engine.scheduler import DEFERRED_SHARE, IDLE_SLICE_S, Scheduler
 
     engine = DeferringEngine()
+    engine.step_delay = 0.02
     sched = Scheduler(engine).start()
     try:
         done = threading.Event()
@@ -379,6 +392,16 @@ def test_deferred_chunks_are_computed_a_slice_a_turn_while_a_stream_decodes():
             lambda ev: done.set() if isinstance(ev, GenerationResult) else None,
         )
         assert done.wait(10)
-        assert engine.left == 0 and engine.calls[:3] == [DEFERRED_SLICE] * 3, engine.calls
+        deadline = time.monotonic() + 10
+        while engine.left and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.left == 0 and len(engine.calls) == 3, engine.calls
+        assert all(budget is not None for budget, _ in engine.calls), engine.calls
+        during = [budget for budget, decoding in engine.calls if decoding]
+        # the first call follows the prefill, before any step: its budget is one layer's
+        assert during and all(b <= DEFERRED_SHARE * 0.2 for b in during), engine.calls
+        assert any(b >= DEFERRED_SHARE * 0.02 for b in during), engine.calls
+        idle = [budget for budget, decoding in engine.calls if not decoding]
+        assert all(b == IDLE_SLICE_S for b in idle), engine.calls
     finally:
         sched.stop()

@@ -20,9 +20,9 @@ position) and V at that layer. Rows computed at a layer overwrite the stored row
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -164,8 +164,30 @@ class PrefillOutput:
 ROW_ALIGN = 16
 
 
+_T = TypeVar("_T")
+
+
 def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> PrefillOutput:
     """Run the layer loop of ``plan``, filling ``cache`` rows [0, T). Returns last-token logits."""
+    return run_to_end(iter_prefill(ops, plan, cache))
+
+
+def run_to_end(steps: Generator[object, None, _T]) -> _T:
+    """What a step-by-step computation (``iter_prefill``) returns, run without pausing."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def iter_prefill(
+    ops: TransformerOps, plan: PrefillPlan, cache: KVCache
+) -> Generator[int, None, PrefillOutput]:
+    """``run_prefill`` a layer at a time: yields each layer's index once it is done, returns the
+    output. Work that must not hold up decoding (a missing chunk computed after a request's first
+    token) is advanced a few layers between decoding steps; nothing shared is held between two
+    layers, so other prefills and decoding steps may run in between."""
     T = plan.num_tokens
     if cache.capacity < T:
         raise ValueError(f"cache capacity {cache.capacity} < prompt length {T}")
@@ -241,6 +263,7 @@ def run_prefill(ops: TransformerOps, plan: PrefillPlan, cache: KVCache) -> Prefi
             ):  # the call has just rotated the keys into the cache
                 recorder.add(q, cache.k[layer, :, :T], active)
         h = ops.finish_layer(layer, h, pad_rows(attn, h.shape[0]))
+        yield layer
     cache.length = T
     last_logits = (
         ops.logits(h[active.numel() - 1 : active.numel()])[0]

@@ -12,13 +12,19 @@ import logging
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from kvblend.blend.blender import KVCache, PrefillPlan, run_prefill
+from kvblend.blend.blender import (
+    KVCache,
+    PrefillPlan,
+    iter_prefill,
+    run_prefill,
+    run_to_end,
+)
 from kvblend.blend.buffers import BufferPool, typed_view
 from kvblend.blend.rope import apply_rope, halves_repeat
 from kvblend.blend.segmenter import Segments, build_segments, encode, render_template_halves
@@ -133,7 +139,7 @@ class Engine:
             self.fingerprint,
             self.chunk_context_ids,
             self.buffers,
-            self._compute_chunk,
+            self._chunk_steps,
         )
         self.calibration_path = config.calibration_path or calibration_path(
             config.model.cache_dir, loaded.model_dir, config.model.dtype
@@ -178,10 +184,11 @@ class Engine:
     def has_deferred(self) -> bool:
         return self.planner.has_deferred
 
-    def run_deferred(self, max_items: int | None = None) -> int:
+    def run_deferred(self, budget_s: float | None = None) -> int:
         """Store pending chained KV, then compute and store chunks that earlier requests found
-        missing. Returns how many chunks were computed."""
-        return self.planner.run_deferred(max_items)
+        missing: all, or for about ``budget_s`` seconds (a layer at a time; what is left resumes
+        at the next call). Returns how many chunks were stored."""
+        return self.planner.run_deferred(budget_s)
 
     # ---- prompts -------------------------------------------------------------------------------
     def segments(
@@ -211,6 +218,11 @@ class Engine:
     @torch.inference_mode()
     def _compute_chunk(self, chunk_ids: list[int]) -> ChunkKV:
         """KV of a chunk prefilled alone behind the chunk context (whose KV is dropped)."""
+        return run_to_end(self._chunk_steps(chunk_ids))
+
+    def _chunk_steps(self, chunk_ids: list[int]) -> Generator[int, None, ChunkKV]:
+        """``_compute_chunk`` a layer at a time (``iter_prefill``), for deferred chunks that are
+        computed between decoding steps."""
         ctx = self.chunk_context_ids
         total = len(ctx) + len(chunk_ids)
         if not chunk_ids:
@@ -228,7 +240,7 @@ class Engine:
             plan = PrefillPlan(
                 ids, k_work, None, torch.zeros(total, dtype=torch.bool), torch.arange(total)
             )
-            out = run_prefill(self.ops, plan, cache)
+            out = yield from iter_prefill(self.ops, plan, cache)
             # [L, Hkv, len(chunk), d], contiguous copies: the working buffers go back to the pool.
             return ChunkKV(
                 out.fresh_k[:, :, len(ctx) :].clone(), out.fresh_v[:, :, len(ctx) :].clone()

@@ -8,12 +8,13 @@ chained KV stored once a first token is out. The engine runs the plans it return
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
 
-from kvblend.blend.blender import KVCache, PrefillPlan
+from kvblend.blend.blender import KVCache, PrefillPlan, run_to_end
 from kvblend.blend.buffers import BufferPool
 from kvblend.blend.segmenter import Segments
 from kvblend.blend.selection import num_to_keep
@@ -46,8 +47,8 @@ class StoredSegment:
 class PrefillPlanner:
     """Store lookups, prefix chains and deferred chunks for one engine (not thread-safe either).
 
-    ``compute_chunk(ids)`` is the engine's: a chunk's KV prefilled alone behind the chunk
-    context."""
+    ``chunk_steps(ids)`` is the engine's: a chunk's KV prefilled alone behind the chunk
+    context, a layer at a time (``iter_prefill``; it returns the ``ChunkKV``)."""
 
     def __init__(
         self,
@@ -57,7 +58,7 @@ class PrefillPlanner:
         fingerprint: str,
         chunk_context_ids: list[int],
         buffers: BufferPool,
-        compute_chunk: Callable[[list[int]], ChunkKV],
+        chunk_steps: Callable[[list[int]], Generator[int, None, ChunkKV]],
     ):
         self.config = config
         self.ops = ops
@@ -65,10 +66,12 @@ class PrefillPlanner:
         self.fingerprint = fingerprint
         self.chunk_context_ids = chunk_context_ids
         self.buffers = buffers
-        self.compute_chunk = compute_chunk
+        self.chunk_steps = chunk_steps
         # Chunks a request found missing: computed alone after its first token (run_deferred), so a
         # cold request costs one normal prefill and the next request with these chunks hits.
         self.deferred: dict[str, list[int]] = {}
+        # (key, its computation so far): the deferred chunk a time-limited run_deferred left
+        self.in_progress: tuple[str, Generator[int, None, ChunkKV]] | None = None
         # (sequence, its K workspace buffer): chained KV to store once the first token is out.
         self.pending_stores: list[tuple[object, object]] = []
 
@@ -254,8 +257,10 @@ class PrefillPlanner:
         """The stored chunk, or None when missing: its rows are then computed in context, like the
         query. A chunk whose entry was damaged is computed alone now (never deferred), so it is
         used exactly as its intact entry would have been: corruption costs time, never another
-        answer."""
+        answer. A chunk still waiting in the deferred work is finished first: a request
+        that repeats documents hits them, however far the work between turns got."""
         key = self.chunk_key(chunk_ids, namespace)
+        self._finish_deferred(key)
         reader = self.open(key, len(chunk_ids), bad)
         if reader is not None:
             stats.chunks_hit += 1
@@ -264,9 +269,20 @@ class PrefillPlanner:
         if self.config.defer_missing_chunks and not damaged:
             self.deferred[key] = list(chunk_ids)
             return None
-        kv = self.compute_chunk(chunk_ids)
+        kv = run_to_end(self.chunk_steps(chunk_ids))
         self.store.put(key, kv)
         return StoredSegment(row, TensorReader(kv), False)
+
+    def _finish_deferred(self, key: str) -> None:
+        """Compute and store ``key`` now if it is deferred or half done."""
+        if self.in_progress is not None and self.in_progress[0] == key:
+            steps = self.in_progress[1]
+            self.in_progress = None
+            self.store.put(key, run_to_end(steps))
+        elif key in self.deferred:
+            chunk_ids = self.deferred.pop(key)
+            if not self.store.contains(key):
+                self.store.put(key, run_to_end(self.chunk_steps(chunk_ids)))
 
     def open(self, key: str, num_tokens: int, bad: set[str] = frozenset()) -> KVReader | None:
         """A reader for ``key`` if stored with the expected geometry; anything else is a miss."""
@@ -290,7 +306,7 @@ class PrefillPlanner:
     # ---- after the first token -----------------------------------------------------------------
     @property
     def has_deferred(self) -> bool:
-        return bool(self.deferred or self.pending_stores)
+        return bool(self.deferred or self.pending_stores or self.in_progress)
 
     def store_chained(self) -> None:
         """Store the chained segments of finished prefills (copies of up to the whole prompt's K
@@ -307,17 +323,34 @@ class PrefillPlanner:
                 self.buffers.give(k_buffer)
 
     @torch.inference_mode()
-    def run_deferred(self, max_items: int | None = None) -> int:
+    def run_deferred(self, budget_s: float | None = None) -> int:
         """Store pending chained KV, then compute and store chunks that earlier requests found
-        missing. Returns how many chunks were computed."""
+        missing: all of them, or with ``budget_s`` until that many seconds have passed (checked
+        after each layer, so one layer always runs; a chunk left half done resumes at the next
+        call). Returns how many chunks were stored."""
         self.store_chained()
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
         done = 0
-        while self.deferred and (max_items is None or done < max_items):
-            key, chunk_ids = next(iter(self.deferred.items()))
-            del self.deferred[key]
-            if not self.store.contains(key):
-                self.store.put(key, self.compute_chunk(chunk_ids))
+        while self.in_progress is not None or self.deferred:
+            if self.in_progress is None:
+                key, chunk_ids = next(iter(self.deferred.items()))
+                del self.deferred[key]
+                if self.store.contains(key):
+                    continue
+                self.in_progress = (key, self.chunk_steps(chunk_ids))
+            key, steps = self.in_progress
+            try:
+                next(steps)
+            except StopIteration as finished:  # no layer ran: go on with the next chunk
+                self.in_progress = None
+                self.store.put(key, finished.value)
                 done += 1
+                continue
+            except BaseException:
+                self.in_progress = None  # a failed chunk is only a later miss
+                raise
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
         return done
 
 

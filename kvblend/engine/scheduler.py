@@ -30,7 +30,13 @@ log = logging.getLogger(__name__)
 # Called on the worker thread when a callable is given; the server builds requests on a helper
 # thread instead (kvblend/server/backends.py) so tokenizing a large prompt never holds the worker.
 RequestBuilder = Callable[[Any], GenerationRequest]
-DEFERRED_SLICE = 2  # missing chunks computed per worker turn while sequences are decoding
+# Deferred chunk work (missing chunks computed after a request's first token) runs a few layers
+# at a time between the worker's turns: while sequences decode, for at most this share of the last
+# decoding step's time, so a stream slows by about that share instead of stalling for whole
+# chunks; when idle, in slices of IDLE_SLICE_S, so a request that arrives meanwhile waits one
+# slice, not every chunk.
+DEFERRED_SHARE = 0.5
+IDLE_SLICE_S = 0.05
 
 
 @dataclass
@@ -107,6 +113,9 @@ class Scheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.steps = 0  # batched decode steps run (for metrics / tests)
+        self._last_step_s = (
+            0.0  # the last decoding step's time: deferred work's budget scales with it
+        )
         self.max_batch_seen = 0
 
     # --- caller side (any thread) --------------------------------------------------------------
@@ -209,12 +218,13 @@ class Scheduler:
             log.exception("shadow full prefill failed")
 
     def _run_deferred(self) -> None:
-        """Chunk KV a request found missing, computed right after its first token went out: off its
-        TTFT, and done before a client that waits for this answer sends its next request. (Run
-        later, when idle, it would land on the TTFT of a back-to-back client's next request.)"""
+        """Chunk KV a request found missing, computed from right after its first token went out
+        (off its TTFT) in time slices (DEFERRED_SHARE, IDLE_SLICE_S): the worker turns between
+        them admit new requests and step live streams."""
         if self._has_deferred():
-            try:  # all at once only when nobody is decoding: a slice must not stall live streams
-                self.engine.run_deferred(None if not self._active else DEFERRED_SLICE)
+            budget = DEFERRED_SHARE * self._last_step_s if self._active else IDLE_SLICE_S
+            try:
+                self.engine.run_deferred(budget)
             except Exception:  # a failed precompute only costs a later cache miss
                 log.exception("deferred chunk precompute failed")
 
@@ -269,7 +279,9 @@ class Scheduler:
         batch = list(self._active)
         self.max_batch_seen = max(self.max_batch_seen, len(batch))
         try:
+            started = time.perf_counter()
             events = self.engine.step([a.seq for a in batch])
+            self._last_step_s = time.perf_counter() - started
         except Exception as e:  # one broken batch must not take the server down
             log.exception("engine.step failed for %d sequences", len(batch))
             for a in batch:

@@ -341,6 +341,61 @@ class RowsAttention:
         return out
 
     @property
+    def has_gemv(self) -> bool:
+        """Whether this build projects a few rows reading the weight in place (``gemv``): both
+        bf16 builds do (gemv.h)."""
+        return hasattr(self.lib, "kvb_gemv")
+
+    @property
+    def gemv_max_rows(self) -> int:
+        return int(self.lib.kvb_gemv_max_rows()) if self.has_gemv else 0
+
+    def gemv(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        num_threads: int,
+        residual: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [M, K] (M <= ``gemv_max_rows``, dense rows) @ weight [N, K]^T (+ bias [N]) -> [M, N],
+        rounded as ``linear`` rounds (once, then again after the ``residual`` add); the module's
+        own weight (dense rows, rows may be strided), nothing packed. Into ``out`` when given."""
+        num_out, num_in = weight.shape
+        self._check_rows(x, "x", num_in)
+        self._check_rows(weight, "weight", num_in)
+        if not 1 <= x.shape[0] <= self.gemv_max_rows:
+            raise ValueError(f"gemv takes 1 to {self.gemv_max_rows} rows, got {x.shape[0]}")
+        if bias is not None:
+            self._check_rows(bias.view(1, -1), "bias", num_out)
+        if out is None:
+            out = torch.empty(x.shape[0], num_out, dtype=x.dtype)
+        self._check_rows(out, "out", num_out, x.shape[0])
+        if residual is not None:
+            self._check_rows(residual, "residual", num_out, x.shape[0])
+        rc = self.lib.kvb_gemv(
+            x.data_ptr(),
+            x.stride(0),
+            x.shape[0],
+            num_in,
+            weight.data_ptr(),
+            weight.stride(0) if num_out > 1 else num_in,
+            num_out,
+            None if bias is None else bias.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            0 if residual is None else residual.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            max(1, num_threads),
+        )
+        if rc != 0:
+            raise ValueError(
+                f"gemv rejected [{x.shape[0]}, {num_in}] x [{num_out}, {num_in}]^T (rc={rc})"
+            )
+        return out
+
+    @property
     def has_decode(self) -> bool:
         """Whether this build attends one decoding row over rotated keys in place
         (``decode_attention``): both bf16 builds do (decode_attention.h)."""
@@ -778,6 +833,11 @@ def _declare(lib: ctypes.CDLL, init_symbol: str | None) -> None:
     if hasattr(lib, "kvb_decode_attention"):  # the bf16 builds' decoding step (decode_attention.h)
         lib.kvb_decode_attention.restype = I
         lib.kvb_decode_attention.argtypes = [P, L, P, L, P, L, L, I, I, I, ctypes.c_float, P, I]
+    if hasattr(lib, "kvb_gemv"):  # the bf16 builds' few-row projections (gemv.h)
+        lib.kvb_gemv.restype = I
+        lib.kvb_gemv.argtypes = [P, L, L, L, P, L, L, P, P, L, P, L, I]
+        lib.kvb_gemv_max_rows.restype = L
+        lib.kvb_gemv_max_rows.argtypes = []
     if hasattr(lib, "kvb_linear"):  # the AMX build's projections (amx_linear.h)
         lib.kvb_linear_pack.restype = I
         lib.kvb_linear_pack.argtypes = [P, L, L, P]

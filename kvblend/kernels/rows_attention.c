@@ -37,6 +37,7 @@
 typedef uint16_t bf16;
 
 #include "rows_elementwise.h" /* RMSNorm and SiLU * up: the same bf16 builds */
+#include "gemv.h"            /* a few rows' projections (decoding): the same bf16 builds */
 
 #define ROWS 16   /* query rows per tile (AMX tile height) */
 #define KB 32     /* keys per P tile (the bf16 dot product depth) */

@@ -141,6 +141,37 @@ def check_linear(kernel, num_rows: int = 45, num_out: int = 96, num_in: int = 64
     return diff
 
 
+def check_gemv(kernel, num_out: int = 70, num_in: int = 88) -> float:
+    """Max abs difference of ``kernel.gemv`` (builds that have it) from fp32 math rounded to bf16,
+    for 1 and for the most rows it takes: a partial last block of 4 weight rows, an input width
+    past whole 32-element steps, weight rows strided (a slice of a fused weight), a bias, a
+    residual, 2 threads. Raises if above one bf16 ulp of the output's scale (two with the
+    residual's rounding)."""
+    if not kernel.has_gemv:
+        return 0.0
+    gen = torch.Generator().manual_seed(3)
+    fused = torch.randn(num_out + 6, num_in + 8, generator=gen).to(kernel.dtype)
+    w = fused[3 : 3 + num_out, :num_in]  # [N, K], row stride K + 8
+    bias = torch.randn(num_out, generator=gen).to(kernel.dtype)
+    worst = 0.0
+    for num_rows in (1, kernel.gemv_max_rows):
+        x = torch.randn(num_rows, num_in, generator=gen).to(kernel.dtype)
+        residual = torch.randn(num_rows, num_out, generator=gen).to(kernel.dtype)
+        ref = x.float() @ w.float().t() + bias.float()
+        for res in (None, residual):
+            out = kernel.gemv(x, w, bias, 2, res)
+            want = ref if res is None else ref + res.float()
+            diff = (out.float() - want).abs().max().item()
+            tolerance = want.abs().max().item() / (128 if res is None else 64)
+            if not diff <= tolerance:  # also catches NaN
+                raise AssertionError(
+                    f"gemv output ({num_rows} rows) differs from the fp32 reference by {diff} "
+                    f"(tolerance {tolerance})"
+                )
+            worst = max(worst, diff)
+    return worst
+
+
 def check_decode(kernel, num_keys: int = 600, num_kv_heads: int = 2, rep: int = 3) -> float:
     """Max abs difference of ``kernel.decode_attention`` (builds that have it) from fp32 attention
     of one row over every key: three key chunks, the last partial, heads strided as in a cache.
@@ -180,6 +211,7 @@ def main(argv: list[str]) -> int:
             kernel, num_keys=200, num_rows=40, num_kv_heads=1, rep=8
         )  # the widest GQA the kernels take
         check_linear(kernel)
+        check_gemv(kernel)
         check_decode(kernel)
     except AssertionError as e:
         print(e, file=sys.stderr)

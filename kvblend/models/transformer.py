@@ -120,7 +120,7 @@ class TransformerOps:
             )
         else:
             rows = slice(bounds[first], bounds[last])
-            out = F.linear(x, weight[rows], None if bias is None else bias[rows])
+            out = self._linear(x, weight[rows], None if bias is None else bias[rows])
         tensors = out.split(self.qkv_split[first:last], dim=-1)
         tensors = {p: t.view(n, -1, self.head_dim) for p, t in zip(parts, tensors)}
         if self.has_qk_norm:
@@ -297,7 +297,7 @@ class TransformerOps:
         weight, bias = self.gate_up_proj[layer_idx]
         packed = self._packed_weight(layer_idx, "gate_up", weight, bias, x)
         if packed is None:
-            gate_up = F.linear(x, weight, bias)  # [S, 2 * intermediate]
+            gate_up = self._linear(x, weight, bias)  # [S, 2 * intermediate]
         else:
             gate_up = self.rows_attention.linear(x, packed, torch.get_num_threads())
         if self._native_elementwise(gate_up) and gate_up.shape[1] % 32 == 0:
@@ -370,10 +370,45 @@ class TransformerOps:
         packed = self._packed_weight(layer_idx, name, module.weight, module.bias, x, residual, out)
         if packed is not None:
             return self.rows_attention.linear(x, packed, torch.get_num_threads(), residual, out)
-        y = module(x)
+        return self._linear(x, module.weight, module.bias, residual, out)
+
+    def _linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [S, in] @ weight [out, in]^T (+ bias) (+ residual, added after the product's
+        rounding), into ``out`` when given: the native few-row projection where it is faster
+        (``_gemv_takes``), else PyTorch's."""
+        if self._gemv_takes(x, weight, residual, out):
+            return self.rows_attention.gemv(x, weight, bias, torch.get_num_threads(), residual, out)
+        y = F.linear(x, weight, bias)
         if residual is not None:
             return torch.add(residual, y, out=out)
         return y if out is None else out.copy_(y)
+
+    def _gemv_takes(
+        self, x: torch.Tensor, weight: torch.Tensor, *more: torch.Tensor | None
+    ) -> bool:
+        """Whether x [S, in] @ weight^T goes through the native few-row projection (gemv.h): a
+        bf16 build on the CPU, at most GEMV_MAX_ROWS rows, a weight of at least GEMV_MIN_WEIGHT
+        elements (below, PyTorch's call is cheaper than the kernel's hand-off), dense rows."""
+        kernel = self.rows_attention
+        return (
+            kernel is not None
+            and kernel.has_gemv
+            and x.shape[0] <= GEMV_MAX_ROWS
+            and weight.numel() >= GEMV_MIN_WEIGHT
+            and x.dtype == weight.dtype == kernel.dtype
+            and x.device.type == "cpu"
+            and x.dim() == 2
+            and x.stride(-1) == 1
+            and weight.stride(-1) == 1
+            and all(t is None or t.stride(-1) == 1 for t in more)
+        )
 
     def _packed_weight(
         self,
@@ -407,7 +442,10 @@ class TransformerOps:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[S, D] -> float32 logits [S, vocab]."""
-        return self.lm_head(self._norm(self.final_norm, h)[0]).float()
+        x = self._norm(self.final_norm, h)[0]
+        if isinstance(self.lm_head, torch.nn.Linear):
+            return self._linear(x, self.lm_head.weight, self.lm_head.bias).float()
+        return self.lm_head(x).float()
 
 
 # Most rows each projection takes through the native AMX kernel (kvblend/kernels/amx_linear.h),
@@ -421,6 +459,13 @@ class TransformerOps:
 # and slower at 2,048 (8.01 against 7.83); o_proj + MLP with the kernel's gate/up up to 512 rows
 # (2.15 against 2.21 ms; 1 row 0.32 against 0.62) and slower at 960 (3.65 against 3.27).
 NATIVE_LINEAR_MAX_ROWS = {"qkv": 1280, "o": 2048, "gate_up": 512, "down": 2048}
+
+# Where the native few-row projection (kvblend/kernels/gemv.h) replaces PyTorch's bf16 matmul:
+# decoding one or two sequences, and a prefill's last row. It streams a weight faster than
+# PyTorch's call for one row but gains little at 4 rows and loses from 8; below ~1M weight
+# elements PyTorch's call is cheaper than the kernel's hand-off (docs/benchmarks.md, "Decoding").
+GEMV_MAX_ROWS = 2
+GEMV_MIN_WEIGHT = 1 << 20
 
 # Most rows one MLP call takes on the CPU, by dtype. Measured on a 2-core Sapphire Rapids (SmolLM2
 # shapes, D 576 -> 2 x 1536): bf16 gate/up cost 1.35 us/row at 5,120 rows and 3.44 at 6,256 (its
