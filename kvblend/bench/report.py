@@ -186,11 +186,30 @@ def load_section(path: Path, data: dict) -> str:
     return f"### bench load\n\n{table}\n\n`{path.as_posix()}`, run {_when(data)}."
 
 
+def decode_section(path: Path, data: dict) -> str:
+    medians, num_rounds = data["median_ms"], len(data["rounds_ms"]["native"])
+    table = markdown_table(
+        ["projections", "ms a decoding step (median of rounds)"],
+        [["native (gemv.h)", medians["native"]], ["PyTorch F.linear", medians["torch"]]],
+    )
+    return (
+        f"### decoding: {data['model']} ({data['dtype']}, {data['attention_kernel']} attention, "
+        f"{data['cpu']}, {data['threads']} threads), {data['prompt_tokens']} prompt tokens\n\n"
+        f"{table}\n\nPaired speed-up (median of per-round ratios, {num_rounds} rounds of "
+        f"{data['steps_per_round']} steps): **{data['paired_speedup']:.2f}x**. "
+        f"`{path.as_posix()}` (`scripts/decode_bench.py`), run {data['time']}."
+    )
+
+
 SECTIONS = {
     "engine": ("Engine: `kvblend bench engine`", engine_section),
     "ttft": ("Server TTFT: `kvblend bench ttft` (kvblend and peers)", ttft_section),
     "eval": ("Answer quality through the API: `kvblend eval`", eval_section),
     "load": ("Open-loop load: `kvblend bench load`", load_section),
+    "decode_projections": (
+        "Decoding: a step's projections, native against PyTorch",
+        decode_section,
+    ),
 }
 
 
